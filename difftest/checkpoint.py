@@ -1,0 +1,186 @@
+"""Read an EAGLE-3 draft checkpoint directory, read-only, in either on-disk format.
+
+Two formats exist in the wild:
+- speculators: config.json with `speculators_model_type: eagle3` and a nested
+  `transformer_layer_config`; decoder weights under `layers.0.*`.
+- legacy / SGLang: a flat Llama config with `architectures: [LlamaForCausalLMEagle3]`,
+  `draft_vocab_size` and `eagle_config`; decoder weights under `midlayer.*`.
+
+Tensors are memory-mapped through safetensors and never written back.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+
+from difftest.errors import InputError
+
+
+class CheckpointFormat(str, Enum):
+    SPECULATORS = "speculators"
+    LEGACY = "legacy"
+
+
+LEGACY_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+def detect_format(config: dict[str, Any]) -> CheckpointFormat:
+    if config.get("speculators_model_type") == "eagle3" and "transformer_layer_config" in config:
+        return CheckpointFormat.SPECULATORS
+    if LEGACY_ARCHITECTURE in (config.get("architectures") or []) and "draft_vocab_size" in config:
+        return CheckpointFormat.LEGACY
+    raise InputError(
+        "unknown checkpoint format: expected config.json with speculators_model_type=eagle3 "
+        f"and transformer_layer_config, or architectures=[{LEGACY_ARCHITECTURE}] with draft_vocab_size; "
+        f"found keys {sorted(config)[:12]}"
+    )
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """The draft's architecture, normalized from either format's config."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_hidden_layers: int
+    rms_norm_eps: float
+    target_vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...] | None
+    norm_before_residual: bool
+    norm_before_fc: bool
+    fc_norm: bool
+    norm_output: bool
+    rope_theta: float
+    rope_scaling: dict | None
+    hidden_act: str
+    max_position_embeddings: int
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.aux_layer_ids) if self.aux_layer_ids else 3
+
+
+def _rope(layer_cfg: dict) -> tuple[float, dict | None]:
+    # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
+    params = layer_cfg.get("rope_parameters") or {}
+    theta = params.get("rope_theta", layer_cfg.get("rope_theta", 10000.0))
+    scaling = layer_cfg.get("rope_scaling")
+    if scaling is None and params and params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return float(theta), scaling
+
+
+def spec_from_config(config: dict[str, Any], fmt: CheckpointFormat) -> DraftSpec:
+    try:
+        if fmt is CheckpointFormat.SPECULATORS:
+            layer = config["transformer_layer_config"]
+            top = config
+            aux = config.get("eagle_aux_hidden_state_layer_ids")
+        else:
+            layer = config
+            top = config
+            aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        hidden = int(layer["hidden_size"])
+        heads = int(layer["num_attention_heads"])
+        theta, scaling = _rope(layer)
+        eagle_cfg = config.get("eagle_config") or {}
+        return DraftSpec(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
+            head_dim=int(layer.get("head_dim") or hidden // heads),
+            intermediate_size=int(layer["intermediate_size"]),
+            num_hidden_layers=int(layer.get("num_hidden_layers", 1)),
+            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+            target_vocab_size=int(layer["vocab_size"]),
+            draft_vocab_size=int(top["draft_vocab_size"]),
+            target_hidden_size=int(top.get("target_hidden_size") or hidden),
+            aux_layer_ids=tuple(int(i) for i in aux) if aux else None,
+            norm_before_residual=bool(top.get("norm_before_residual", False)),
+            norm_before_fc=bool(top.get("norm_before_fc", eagle_cfg.get("norm_before_fc", False))),
+            fc_norm=bool(top.get("fc_norm", False)),
+            norm_output=bool(top.get("norm_output", False)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            hidden_act=str(layer.get("hidden_act", "silu")),
+            max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"config.json is missing or has a malformed field: {exc!r}") from None
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    format: CheckpointFormat
+    config: dict[str, Any]
+    spec: DraftSpec
+    _files: dict[str, Path] = field(repr=False, default_factory=dict)  # tensor name -> file
+
+    def tensor_names(self) -> list[str]:
+        return list(self._files)
+
+    def has(self, name: str) -> bool:
+        return name in self._files
+
+    def get(self, name: str) -> torch.Tensor:
+        with safe_open(str(self._files[name]), framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream (name, tensor) pairs file by file, so only one file is open at a time."""
+        by_file: dict[Path, list[str]] = {}
+        for name, file in self._files.items():
+            by_file.setdefault(file, []).append(name)
+        for file, names in by_file.items():
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in names:
+                    yield name, f.get_tensor(name)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.tensors())
+
+
+def _index_tensors(path: Path) -> dict[str, Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise InputError(f"{path}: no *.safetensors weights found (expected model.safetensors)")
+    names: dict[str, Path] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    names[key] = file
+        except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            raise InputError(f"{file}: not a readable safetensors file ({exc})") from None
+    return names
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    path = Path(path)
+    if not path.is_dir():
+        raise InputError(f"{path}: checkpoint directory not found")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise InputError(f"{path}: config.json not found")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{cfg_file}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{cfg_file}: expected a JSON object, found {type(config).__name__}")
+    fmt = detect_format(config)
+    spec = spec_from_config(config, fmt)
+    return Checkpoint(path=path, format=fmt, config=config, spec=spec, _files=_index_tensors(path))

@@ -1,0 +1,66 @@
+"""The small interface every engine adapter implements, and the records it returns.
+
+An adapter takes a checkpoint, the target's shared weights and a packed batch of
+captured states, runs its engine's own model code, and returns probe tensors keyed by
+the names in `difftest.probes`. Nothing outside an adapter knows how its engine works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from difftest.checkpoint import Checkpoint
+from difftest.states import CapturedStates
+from difftest.target import TargetWeights
+
+
+@dataclass(frozen=True)
+class ServingSetup:
+    """How the serving side is wired around the draft. Defaults are a correct deployment.
+
+    Faults that live in the serving stack, not in the checkpoint, flip these; an
+    adapter that has no such knob ignores it.
+    """
+
+    # False: the target was not set up to capture aux layers, so the draft is fed the
+    # target's single last hidden state instead of the aux concatenation.
+    aux_capture: bool = True
+    # True: the worker's `set_embed_and_head` path, the target's full head replaces the draft's.
+    lm_head_from_target: bool = False
+    # False: the draft keeps its own (randomly initialized) embedding.
+    share_target_embed: bool = True
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    serving: ServingSetup = ServingSetup()
+
+
+@dataclass
+class EngineRun:
+    """What one engine produced: probe tensors on CPU plus what it noticed while loading."""
+
+    engine: str
+    probes: dict[str, torch.Tensor]
+    # probe name -> why the engine never computed it (e.g. fc skipped by a shape check)
+    missing: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    timings_s: dict[str, float] = field(default_factory=dict)
+    details: dict = field(default_factory=dict)
+
+
+class EngineAdapter(Protocol):
+    name: str
+
+    def run(
+        self,
+        checkpoint: Checkpoint,
+        target: TargetWeights,
+        states: CapturedStates,
+        options: RunOptions,
+    ) -> EngineRun: ...

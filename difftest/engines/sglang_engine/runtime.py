@@ -1,0 +1,41 @@
+"""Process-wide SGLang state needed to build and run model code outside a server.
+
+Done once per process: the CPU engine switch (read and cached at first import), the
+kernel stand-in, a world-of-one process group, and published ServerArgs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+from difftest.engines.sglang_engine import kernel_standin
+
+_lock = threading.Lock()
+_ready_for: str | None = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_runtime(device: str) -> kernel_standin.StandInLedger:
+    global _ready_for
+    with _lock:
+        if _ready_for is not None:
+            if _ready_for != device:
+                raise RuntimeError(f"sglang runtime already set up for {_ready_for}, cannot switch to {device}")
+            return kernel_standin.LEDGER
+        if device == "cpu":
+            # is_cpu() is cached at first import; without this RotaryEmbedding imports vllm.
+            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+        ledger = kernel_standin.install_if_needed()
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        from sglang.test.layer_ut_utils import init_single_process_dist
+
+        init_single_process_dist(master_port=int(os.environ["MASTER_PORT"]), backend="gloo" if device == "cpu" else "nccl")
+        _ready_for = device
+        return ledger

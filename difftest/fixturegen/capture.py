@@ -1,0 +1,43 @@
+"""Training-time capture: aux hidden states the way speculators' training data holds them.
+
+Convention (speculators 0.9.0, `models/utils.py` and `train/data.py`): layer id k is HF
+`hidden_states[k]`, where index 0 is the embedding output and index k the output of
+decoder layer k-1. The verifier's last state is the input of the final norm: HF's
+`hidden_states[-1]` is taken after that norm in transformers 5.19, so a hook on the
+norm's input is the only way to get the tensor the draft's `verifier_norm` expects.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from difftest.states import CapturedStates
+
+
+@torch.no_grad()
+def capture_states(model, sequences: list[list[int]], aux_layer_ids: list[int], loss_masks=None) -> CapturedStates:
+    model.eval()
+    pre_norm: list[torch.Tensor] = []
+    handle = model.model.norm.register_forward_pre_hook(lambda _m, args: pre_norm.append(args[0].detach()))
+    aux_parts, last_parts = [], []
+    try:
+        for ids in sequences:
+            pre_norm.clear()
+            out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+            hs = out.hidden_states
+            aux_parts.append(torch.cat([hs[k][0] for k in aux_layer_ids], dim=-1).float())
+            last_parts.append(pre_norm[-1][0].float())
+    finally:
+        handle.remove()
+    flat = [t for ids in sequences for t in ids]
+    mask = None
+    if loss_masks is not None:
+        mask = torch.tensor([m for ms in loss_masks for m in ms], dtype=torch.uint8)
+    return CapturedStates(
+        input_ids=torch.tensor(flat, dtype=torch.int64),
+        seq_lens=torch.tensor([len(s) for s in sequences], dtype=torch.int64),
+        aux_hidden_states=torch.cat(aux_parts),
+        verifier_last_hidden_states=torch.cat(last_parts),
+        aux_layer_ids=tuple(aux_layer_ids),
+        loss_mask=mask,
+    )

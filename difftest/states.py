@@ -1,0 +1,136 @@
+"""Captured target hidden states: the one input both engines' drafts consume.
+
+File format (safetensors, version 1):
+    input_ids                    int64  [T]          packed token ids of all requests
+    seq_lens                     int64  [R]          request lengths, sum(seq_lens) == T
+    aux_hidden_states            float  [T, A*H]     the A aux layers concatenated, in id order
+    verifier_last_hidden_states  float  [T, H]       the target's last state BEFORE its final norm
+    loss_mask                    uint8  [T]          optional: 1 where the token is a response token
+metadata:
+    difftest_states_version  "1"
+    aux_layer_ids            JSON list, in HF convention: id k is HF hidden_states[k]
+                             (k = 0 is the embedding output, k = n the last layer's output)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from difftest.errors import InputError
+
+STATES_VERSION = "1"
+REQUIRED = ("input_ids", "seq_lens", "aux_hidden_states", "verifier_last_hidden_states")
+
+
+@dataclass
+class CapturedStates:
+    input_ids: torch.Tensor
+    seq_lens: torch.Tensor
+    aux_hidden_states: torch.Tensor
+    verifier_last_hidden_states: torch.Tensor
+    aux_layer_ids: tuple[int, ...]
+    loss_mask: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def head(self, max_tokens: int) -> "CapturedStates":
+        """The first whole requests that fit in max_tokens (at least one request)."""
+        lens = self.seq_lens.tolist()
+        keep, total = 0, 0
+        for n in lens:
+            if keep and total + n > max_tokens:
+                break
+            keep, total = keep + 1, total + n
+        return CapturedStates(
+            input_ids=self.input_ids[:total],
+            seq_lens=self.seq_lens[:keep],
+            aux_hidden_states=self.aux_hidden_states[:total],
+            verifier_last_hidden_states=self.verifier_last_hidden_states[:total],
+            aux_layer_ids=self.aux_layer_ids,
+            loss_mask=None if self.loss_mask is None else self.loss_mask[:total],
+        )
+
+
+def save_states(states: CapturedStates, path: str | Path) -> None:
+    tensors = {
+        "input_ids": states.input_ids.to(torch.int64).contiguous(),
+        "seq_lens": states.seq_lens.to(torch.int64).contiguous(),
+        "aux_hidden_states": states.aux_hidden_states.contiguous(),
+        "verifier_last_hidden_states": states.verifier_last_hidden_states.contiguous(),
+    }
+    if states.loss_mask is not None:
+        tensors["loss_mask"] = states.loss_mask.to(torch.uint8).contiguous()
+    metadata = {
+        "difftest_states_version": STATES_VERSION,
+        "aux_layer_ids": json.dumps(list(states.aux_layer_ids)),
+    }
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def load_states(path: str | Path) -> CapturedStates:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: hidden-states file not found")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            names = set(f.keys())
+            missing = [n for n in REQUIRED if n not in names]
+            if missing:
+                raise InputError(f"{path}: hidden-states file lacks {missing}; expected {list(REQUIRED)}")
+            t = {n: f.get_tensor(n) for n in names}
+    except InputError:
+        raise
+    except Exception as exc:
+        raise InputError(f"{path}: not a readable safetensors file ({exc})") from None
+    try:
+        aux_ids = tuple(json.loads(meta.get("aux_layer_ids", "[]")))
+    except json.JSONDecodeError:
+        raise InputError(f"{path}: metadata aux_layer_ids is not a JSON list") from None
+    states = CapturedStates(
+        input_ids=t["input_ids"],
+        seq_lens=t["seq_lens"],
+        aux_hidden_states=t["aux_hidden_states"],
+        verifier_last_hidden_states=t["verifier_last_hidden_states"],
+        aux_layer_ids=aux_ids,
+        loss_mask=t.get("loss_mask"),
+    )
+    _check_consistent(states, path)
+    return states
+
+
+def _check_consistent(s: CapturedStates, path: Path) -> None:
+    T = s.num_tokens
+    if s.input_ids.dim() != 1 or s.input_ids.dtype != torch.int64:
+        raise InputError(f"{path}: input_ids must be int64 [T], found {s.input_ids.dtype} {list(s.input_ids.shape)}")
+    if int(s.seq_lens.sum()) != T or (s.seq_lens <= 0).any():
+        raise InputError(f"{path}: seq_lens {s.seq_lens.tolist()[:8]} must be positive and sum to {T} tokens")
+    for name in ("aux_hidden_states", "verifier_last_hidden_states"):
+        x = getattr(s, name)
+        if x.dim() != 2 or x.shape[0] != T:
+            raise InputError(f"{path}: {name} must be [{T}, width], found {list(x.shape)}")
+        if not torch.isfinite(x).all():
+            raise InputError(f"{path}: {name} holds NaN or Inf")
+
+
+def check_states_fit(s: CapturedStates, target_hidden: int, num_aux: int, source: str) -> None:
+    """The states must be as wide as the draft's config says, or no comparison is meaningful."""
+    want = num_aux * target_hidden
+    if s.aux_hidden_states.shape[1] != want:
+        raise InputError(
+            f"{source}: aux_hidden_states width {s.aux_hidden_states.shape[1]} does not match the draft config "
+            f"({num_aux} aux layers x target hidden {target_hidden} = {want})"
+        )
+    if s.verifier_last_hidden_states.shape[1] != target_hidden:
+        raise InputError(
+            f"{source}: verifier_last_hidden_states width {s.verifier_last_hidden_states.shape[1]} "
+            f"does not match target hidden {target_hidden}"
+        )

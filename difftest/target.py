@@ -1,0 +1,78 @@
+"""The target (verifier) weights the draft shares: embedding, head and final norm.
+
+Loaded once per run and handed to both engines as the same tensors, the way a serving
+worker shares the target's embedding with its draft instead of copying it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from difftest.errors import InputError
+
+
+@dataclass
+class TargetWeights:
+    path: Path
+    config: dict
+    embed: torch.Tensor  # [vocab, hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+    norm: torch.Tensor  # [hidden]
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    files = sorted(path.glob("*.safetensors"))
+    out: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            out.update(dict.fromkeys(f.keys(), file))
+    return out
+
+
+def load_target(path: str | Path) -> TargetWeights:
+    path = Path(path)
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise InputError(f"target {path}: config.json not found (pass --target DIR with an HF Llama model)")
+    try:
+        config = json.loads(cfg.read_text())
+        files = _tensor_files(path)
+    except Exception as exc:
+        raise InputError(f"target {path}: unreadable ({exc})") from None
+
+    def get(name: str) -> torch.Tensor | None:
+        if name not in files:
+            return None
+        with safe_open(str(files[name]), framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
+
+    embed = get("model.embed_tokens.weight")
+    norm = get("model.norm.weight")
+    if embed is None or norm is None:
+        raise InputError(f"target {path}: needs model.embed_tokens.weight and model.norm.weight")
+    head = get("lm_head.weight")
+    if head is None:
+        if not config.get("tie_word_embeddings", False):
+            raise InputError(f"target {path}: no lm_head.weight and tie_word_embeddings is false")
+        head = embed
+    return TargetWeights(path=path, config=config, embed=embed, lm_head=head, norm=norm)
