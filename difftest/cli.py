@@ -1,0 +1,136 @@
+"""`difftest` command line. Exit codes: 0 parity, 1 divergence, 2 bad input or usage."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from difftest.errors import InputError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+EXIT_PARITY, EXIT_DIVERGED, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+def quiet_engines(verbose: bool) -> None:
+    """The engines log a great deal at import and load; keep it out of a user's terminal."""
+    if verbose:
+        return
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.getLogger("sglang").setLevel(logging.ERROR)
+    try:
+        from loguru import logger
+
+        logger.disable("speculators")
+    except ImportError:
+        pass
+    try:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def fail(message: str, code: int = EXIT_INPUT) -> None:
+    typer.echo(f"difftest: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def parse_dtype(name: str):
+    from difftest.tolerances import DTYPES
+
+    if name not in DTYPES:
+        fail(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+@app.command()
+def report(
+    checkpoint: Optional[Path] = typer.Argument(None, help="draft checkpoint dir (default: the embedded SmolLM2 fixture)"),
+    target: Optional[Path] = typer.Option(None, help="HF target model dir (embedding, head, norm)"),
+    states: Optional[Path] = typer.Option(None, help="captured hidden-states file (difftest states format)"),
+    dtype: str = typer.Option("fp32", help="fp32 | bf16 | fp16"),
+    device: str = typer.Option("cpu", help="cpu | cuda"),
+    out: Path = typer.Option(Path("reports"), help="output directory"),
+    max_tokens: Optional[int] = typer.Option(None, help="use only the first whole requests up to this many tokens"),
+    serve_without_aux_capture: bool = typer.Option(False, help="serving fault: feed SGLang the target's last state only"),
+    serve_lm_head_from_target: bool = typer.Option(False, help="serving fault: set_embed_and_head with the target's head"),
+    quiet: bool = typer.Option(False, "-q", "--quiet", help="print only the verdict line"),
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="show engine logs and tracebacks"),
+) -> None:
+    """Run both engines on the same captured states and report parity probe by probe."""
+    quiet_engines(verbose)
+    torch_dtype = parse_dtype(dtype)
+    if device.split(":")[0] not in ("cpu", "cuda"):
+        fail(f"--device must be cpu or cuda, got {device!r}")
+    try:
+        from difftest import pipeline
+        from difftest.engines.base import ServingSetup
+        from difftest.report import build_report, write_reports
+
+        if checkpoint is None:
+            from difftest.fixturegen.default import default_fixture
+
+            fx = default_fixture(progress=not quiet)
+            checkpoint, target, states = fx.checkpoint, target or fx.target, states or fx.states
+        inputs = pipeline.prepare(checkpoint, target, states, max_tokens=max_tokens)
+        serving = ServingSetup(aux_capture=not serve_without_aux_capture, lm_head_from_target=serve_lm_head_from_target)
+        result = pipeline.run(inputs, dtype=torch_dtype, device=device, serving=serving)
+        rep = build_report(result, command=["difftest", *sys.argv[1:]])
+        paths = write_reports(rep, out)
+    except InputError as exc:
+        fail(str(exc))
+    except typer.Exit:
+        raise
+    except Exception as exc:  # an engine or harness bug, not the user's input
+        if verbose:
+            raise
+        fail(f"internal error: {type(exc).__name__}: {exc} (rerun with -v for the traceback)", EXIT_INTERNAL)
+    first = rep["first_divergence"]
+    line = rep["verdict"] + (f": first divergence at {first['probe']} ({rep['diagnosis']['cause']})" if first else "")
+    typer.echo(line)
+    if not quiet:
+        typer.echo(f"wrote {paths['json']} and {paths['md']}")
+    raise typer.Exit(EXIT_PARITY if rep["verdict"] == "PARITY" else EXIT_DIVERGED)
+
+
+@app.command("build-fixtures")
+def build_fixtures(
+    which: str = typer.Argument("tiny", help="tiny | default"),
+    out: Optional[Path] = typer.Option(None, help="output dir (tiny only; default fixtures/tiny)"),
+) -> None:
+    """Build the tiny committed fixture, or the SmolLM2 default fixture into the cache."""
+    quiet_engines(False)
+    if which == "tiny":
+        from difftest.fixturegen import tiny
+
+        dest = out or Path("fixtures/tiny")
+        tiny.build(dest)
+        typer.echo(f"built {dest}")
+    elif which == "default":
+        from difftest.fixturegen.default import default_fixture
+
+        fx = default_fixture(progress=True)
+        typer.echo(f"built {fx.checkpoint}")
+    else:
+        fail(f"unknown fixture {which!r}: expected tiny or default")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

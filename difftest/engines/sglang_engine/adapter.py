@@ -1,0 +1,266 @@
+"""SGLang adapter: its own LlamaForCausalLMEagle3, its own load_weights, its own forward.
+
+The model is built from the Llama config a user must write to serve the checkpoint on
+SGLang, loaded through `load_weights` (which skips names it doesn't know without a word,
+so every weight_loader call is recorded), given the target's embedding the way the EAGLE
+worker's `init_lm_head` does, and run once over a real ForwardBatch.
+
+The forward mode is DRAFT_EXTEND_V2, the EAGLE v2 worker's own draft-extend mode: same
+model and attention path as EXTEND, but its LogitsProcessor keeps every row, so logits
+for all positions come from SGLang's code rather than from a copy of its lm_head math.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from types import SimpleNamespace
+
+import torch
+
+from difftest.checkpoint import Checkpoint, CheckpointFormat
+from difftest.convert import legacy_config, legacy_name
+from difftest.engines.base import EngineRun, RunOptions
+from difftest.engines.sglang_engine.runtime import ensure_runtime
+from difftest.states import CapturedStates
+from difftest.target import TargetWeights
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def serving_config(checkpoint: Checkpoint) -> tuple[dict, dict[str, str]]:
+    """The legacy/SGLang config for this checkpoint, plus notes on fields that didn't carry."""
+    if checkpoint.format is CheckpointFormat.LEGACY:
+        return dict(checkpoint.config), {}
+    conv = legacy_config(checkpoint.config)
+    return conv.config, conv.notes
+
+
+def serving_tensors(checkpoint: Checkpoint):
+    rename = checkpoint.format is CheckpointFormat.SPECULATORS
+    for name, tensor in checkpoint.tensors():
+        yield (legacy_name(name) if rename else name), name, tensor
+
+
+class _LoadRecorder:
+    """Wraps every parameter's weight_loader to see which checkpoint names SGLang consumed."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.current: str | None = None
+        self.consumed: dict[str, list[str]] = {}  # checkpoint name -> parameter names
+        self.written: set[str] = set()
+        for pname, param in model.named_parameters():
+            original = getattr(param, "weight_loader", None)
+            param.weight_loader = self._wrap(pname, original)
+
+    def _wrap(self, pname, original):
+        from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+        loader = original or default_weight_loader
+
+        def recording_loader(param, loaded, *args):
+            if self.current is not None:
+                self.consumed.setdefault(self.current, []).append(pname)
+            self.written.add(pname)
+            return loader(param, loaded, *args)
+
+        return recording_loader
+
+
+class _Probes:
+    def __init__(self):
+        self.values: dict[str, torch.Tensor] = {}
+        self.handles = []
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        # First call wins: a probe names one point in one forward.
+        self.values.setdefault(name, tensor.detach().float().cpu().clone())
+
+    def output(self, module, name, pick=lambda o: o):
+        self.handles.append(module.register_forward_hook(lambda _m, _a, out: self.put(name, pick(out))))
+
+    def input(self, module, name):
+        self.handles.append(module.register_forward_pre_hook(lambda _m, args: self.put(name, args[0])))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+class SGLangAdapter:
+    name = "sglang"
+
+    def run(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, options: RunOptions) -> EngineRun:
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        ledger = ensure_runtime(options.device)
+        from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+        from transformers import LlamaConfig
+
+        timings["import"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        cfg_dict, conversion_notes = serving_config(checkpoint)
+        config = LlamaConfig(**cfg_dict)
+        device = torch.device(options.device)
+        with _default_dtype(options.dtype), device:
+            model = LlamaForCausalLMEagle3(config).eval()
+        recorder = _LoadRecorder(model)
+
+        served_names: dict[str, str] = {}
+
+        def weights():
+            for served, original, tensor in serving_tensors(checkpoint):
+                served_names[original] = served
+                recorder.current = original
+                yield served, tensor
+            recorder.current = None
+
+        model.load_weights(weights())
+        share = self._share_target(model, target, options)
+        timings["load"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        probes, missing = self._forward(model, target, states, options)
+        timings["forward"] = time.perf_counter() - t0
+
+        dropped = sorted(n for n in served_names if n not in recorder.consumed and n not in ("d2t", "t2d"))
+        details = {
+            "load": {
+                "consumed": {k: v for k, v in sorted(recorder.consumed.items())},
+                "renamed": {k: v for k, v in served_names.items() if k != v},
+                "dropped": dropped,
+                "ignored": {"t2d": "load_weights skips t2d"} if "t2d" in served_names else {},
+                "d2t": "hot_token_id = d2t + arange" if model.hot_token_id is not None else "absent: draft ids used as target ids",
+                "params_left_at_init": sorted(
+                    n for n, _ in model.named_parameters() if n not in recorder.written and n not in share["shared"]
+                ),
+                "shared_from_target": share["shared"],
+            },
+            "conversion_notes": conversion_notes,
+            "sgl_kernel_standin": ledger.as_dict() | {"reason": ledger.reason.strip().splitlines()[0] if ledger.reason else ""},
+            "lm_head_path": share["path"],
+        }
+        return EngineRun(engine=self.name, probes=probes, missing=missing, timings_s=timings, details=details)
+
+    @staticmethod
+    def _share_target(model, target: TargetWeights, options: RunOptions) -> dict:
+        """Follow the EAGLE worker's init_lm_head: set_embed_and_head or set_embed."""
+        dtype, device = options.dtype, options.device
+        embed = torch.nn.Parameter(target.embed.to(device=device, dtype=dtype), requires_grad=False)
+        shared: list[str] = []
+        if options.serving.lm_head_from_target or model.load_lm_head_from_target:
+            head = torch.nn.Parameter(target.lm_head.to(device=device, dtype=dtype), requires_grad=False)
+            model.set_embed_and_head(embed, head)
+            shared = ["model.embed_tokens.weight", "lm_head.weight"]
+            path = "set_embed_and_head"
+        elif options.serving.share_target_embed:
+            before = model.model.embed_tokens.weight
+            model.set_embed(embed)
+            if model.model.embed_tokens.weight is not before:
+                shared = ["model.embed_tokens.weight"]
+            path = "set_embed"
+        else:
+            path = "none"
+        return {"shared": shared, "path": path}
+
+    @torch.no_grad()
+    def _forward(self, model, target: TargetWeights, states: CapturedStates, options: RunOptions):
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+        from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        device, dtype = options.device, options.dtype
+        cfg = model.config
+        lens = [int(n) for n in states.seq_lens.tolist()]
+        num_reqs, num_tokens = len(lens), sum(lens)
+
+        req_pool = ReqToTokenPool(size=num_reqs, max_context_len=max(lens) + 1, device=device, enable_memory_saver=False)
+        kv_pool = MHATokenToKVPool(
+            size=num_tokens + 1, page_size=1, dtype=dtype, head_num=cfg.num_key_value_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            layer_num=cfg.num_hidden_layers, device=device, enable_memory_saver=False,
+        )
+        # Slot 0 of the KV pool is the padding slot; request i's tokens live in a contiguous run after it.
+        out_cache_loc = torch.arange(1, num_tokens + 1, dtype=torch.int64, device=device)
+        req_pool_indices = torch.arange(1, num_reqs + 1, dtype=torch.int64, device=device)
+        start = 0
+        for i, n in enumerate(lens):
+            req_pool.req_to_token[req_pool_indices[i], :n] = out_cache_loc[start:start + n].to(torch.int32)
+            start += n
+        runner = SimpleNamespace(device=device, req_to_token_pool=req_pool, token_to_kv_pool=kv_pool)
+        backend = TorchNativeAttnBackend(runner)
+
+        hidden = states.aux_hidden_states if options.serving.aux_capture else states.verifier_last_hidden_states
+        seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
+        starts = torch.cumsum(seq_lens, 0) - seq_lens
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.DRAFT_EXTEND_V2,
+            batch_size=num_reqs,
+            input_ids=states.input_ids.to(device),
+            req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens,
+            out_cache_loc=out_cache_loc,
+            seq_lens_sum=num_tokens,
+            seq_lens_cpu=seq_lens.cpu(),
+            positions=torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]).to(device),
+            extend_num_tokens=num_tokens,
+            extend_seq_lens=seq_lens,
+            extend_prefix_lens=torch.zeros_like(seq_lens),
+            extend_start_loc=starts,
+            extend_prefix_lens_cpu=[0] * num_reqs,
+            extend_seq_lens_cpu=lens,
+            extend_logprob_start_lens_cpu=[0] * num_reqs,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            spec_algorithm=SpeculativeAlgorithm.EAGLE3,
+            spec_info=EagleDraftExtendInput(hidden_states=hidden.to(device=device, dtype=dtype)),
+            return_logprob=False,
+        )
+        backend.init_forward_metadata(batch)
+
+        probes = _Probes()
+        inner = model.model
+        layer0 = inner.layers[0]
+        probes.output(inner.embed_tokens, "embed")
+        probes.input(inner.fc, "fc.input")
+        probes.output(inner.fc, "fc.output")
+        probes.output(layer0.input_layernorm, "layer0.embed_norm")
+        probes.output(layer0.hidden_norm, "layer0.hidden_norm")
+        probes.output(layer0.self_attn, "layer0.attn_output")
+        # post_attention_layernorm fuses the residual add: (normed, residual + attn).
+        probes.output(layer0.post_attention_layernorm, "layer0.post_attn_residual", pick=lambda o: o[1])
+        probes.output(layer0.mlp, "layer0.mlp_output")
+        # The next fused add-norm returns layer 0's output (mlp + residual) as its second value.
+        nxt = inner.layers[1].hidden_norm if len(inner.layers) > 1 else inner.norm
+        probes.output(nxt, "layer0.output", pick=lambda o: o[1])
+        probes.output(inner.norm, "final_norm", pick=lambda o: o[0])
+        try:
+            with forward_context(ForwardContext(attn_backend=backend), forward_batch=batch):
+                out = model(batch.input_ids, batch.positions, batch)
+        finally:
+            probes.remove()
+
+        values = probes.values
+        missing: dict[str, str] = {}
+        if "fc.output" not in values:
+            why = (f"fc was skipped: hidden_states width {hidden.shape[-1]} equals the embedding width, "
+                   "so SGLang's shape check assumed they were already fused")
+            missing["fc.input"] = missing["fc.output"] = why
+        logits = out.next_token_logits.float().cpu()
+        values["logits"] = logits
+        draft = logits.argmax(dim=-1)
+        values["draft_token"] = draft
+        hot = model.get_hot_token_id()
+        values["target_token"] = hot.cpu()[draft] if hot is not None else draft.clone()
+        return values, missing

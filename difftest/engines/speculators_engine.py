@@ -1,0 +1,133 @@
+"""speculators adapter: its own Eagle3DraftModel, loaded the way speculators loads a draft.
+
+`Eagle3SpeculatorConfig.from_pretrained`, the attention implementation set on the layer
+config before construction (it is not stored in config.json; see speculators' train/cli.py),
+`Eagle3DraftModel.from_pretrained`, then `load_verifier_weights()` for what the checkpoint
+does not carry (verifier_norm, verifier_lm_head, and embed/lm_head when absent).
+One test-time-training step is the training-time forward that serving's one EXTEND matches.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from difftest.checkpoint import Checkpoint, CheckpointFormat
+from difftest.convert import legacy_to_speculators
+from difftest.engines.base import EngineRun, RunOptions
+from difftest.states import CapturedStates
+from difftest.target import TargetWeights
+
+# flex attention has no CPU backward and its block masks need a GPU compile; sdpa is
+# bit-identical in fp32 on the one-step forward (see the shared notes).
+ATTN_IMPL = {"cpu": "sdpa", "cuda": "simple_flex_attention"}
+
+
+class _Probes:
+    def __init__(self):
+        self.values: dict[str, torch.Tensor] = {}
+        self.handles = []
+
+    def put(self, name, tensor):
+        self.values.setdefault(name, tensor.detach().float().cpu().clone()[0])  # drop the batch dim
+
+    def output(self, module, name, pick=lambda o: o):
+        self.handles.append(module.register_forward_hook(lambda _m, _a, out: self.put(name, pick(out))))
+
+    def input(self, module, name):
+        self.handles.append(module.register_forward_pre_hook(lambda _m, args, kwargs=None: self.put(name, args[0] if args else kwargs["hidden_states"]), with_kwargs=False))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+class SpeculatorsAdapter:
+    name = "speculators"
+
+    def run(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, options: RunOptions) -> EngineRun:
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+        timings["import"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="difftest-spec-") as tmp:
+            src = checkpoint.path
+            if checkpoint.format is CheckpointFormat.LEGACY:
+                # speculators only reads its own format; convert into a scratch copy, never in place.
+                src = Path(tmp) / "speculators"
+                legacy_to_speculators(checkpoint, src, verifier_path=str(target.path))
+            config = Eagle3SpeculatorConfig.from_pretrained(str(src))
+            config.transformer_layer_config._attn_implementation = ATTN_IMPL.get(options.device.split(":")[0], "sdpa")
+            config.speculators_config.verifier.name_or_path = str(target.path)
+            model = Eagle3DraftModel.from_pretrained(str(src), config=config)
+        model.load_verifier_weights()
+        model = model.to(device=options.device, dtype=options.dtype).eval()
+        timings["load"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        probes = self._forward(model, states, options)
+        timings["forward"] = time.perf_counter() - t0
+        details = {
+            "load": self._ledger(model, checkpoint),
+            "attn_implementation": config.transformer_layer_config._attn_implementation,
+            "aux_layer_ids": list(model.config.eagle_aux_hidden_state_layer_ids or []),
+        }
+        return EngineRun(engine=self.name, probes=probes, timings_s=timings, details=details)
+
+    @staticmethod
+    def _ledger(model, checkpoint: Checkpoint) -> dict:
+        from difftest.convert import speculators_name
+
+        model_keys = set(model.state_dict())
+        ckpt_keys = {speculators_name(n) for n in checkpoint.tensor_names()}
+        return {
+            "consumed": sorted(ckpt_keys & model_keys),
+            "dropped": sorted(ckpt_keys - model_keys),
+            # from_pretrained leaves these to load_verifier_weights (or to their init).
+            "not_in_checkpoint": sorted(model_keys - ckpt_keys),
+        }
+
+    @torch.no_grad()
+    def _forward(self, model, states: CapturedStates, options: RunOptions) -> dict[str, torch.Tensor]:
+        device, dtype = options.device, options.dtype
+        lens = [int(n) for n in states.seq_lens.tolist()]
+        doc_ids = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lens)])
+        # Per-request positions from 0, as SGLang serves them; speculators' own default
+        # (1 + arange over the packed batch) differs only by a RoPE shift inside a document.
+        positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lens])
+
+        p = _Probes()
+        layer0 = model.layers[0]
+        p.output(model.embed_tokens, "embed")
+        p.input(model.fc, "fc.input")
+        p.output(model.fc, "fc.output")
+        p.output(layer0.input_layernorm, "layer0.embed_norm")
+        p.output(layer0.hidden_norm, "layer0.hidden_norm")
+        p.output(layer0.self_attn, "layer0.attn_output", pick=lambda o: o[0])
+        # The residual stream after attention is exactly what post_attention_layernorm reads.
+        p.input(layer0.post_attention_layernorm, "layer0.post_attn_residual")
+        p.output(layer0.mlp, "layer0.mlp_output")
+        p.output(layer0, "layer0.output")
+        p.output(model.norm, "final_norm")
+        p.output(model.lm_head, "logits")
+        try:
+            draft_tokens = model(
+                hidden_states=states.aux_hidden_states.to(device=device, dtype=dtype)[None],
+                input_ids=states.input_ids.to(device)[None],
+                document_ids=doc_ids.to(device)[None],
+                position_ids=positions.to(device)[None],
+                ttt_steps=1,
+            )
+        finally:
+            p.remove()
+        values = p.values
+        draft = draft_tokens[0][0].cpu()
+        values["draft_token"] = draft
+        # speculators stores d2t as offsets: target = draft + d2t[draft] (its xpress model does the same).
+        values["target_token"] = draft + model.d2t.cpu()[draft] if model.d2t is not None else draft.clone()
+        return values

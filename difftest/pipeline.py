@@ -1,0 +1,124 @@
+"""One difftest run: checkpoint -> engine adapters -> probe records -> comparison -> diagnosis.
+
+The report module renders what this returns; nothing here formats text.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from difftest.checkpoint import Checkpoint, load_checkpoint
+from difftest.compare import Comparison, compare_runs
+from difftest.diagnosis import Diagnosis, diagnose
+from difftest.engines.base import EngineAdapter, EngineRun, RunOptions, ServingSetup
+from difftest.errors import InputError
+from difftest.noise import noise_floor
+from difftest.states import CapturedStates, check_states_fit, load_states
+from difftest.target import TargetWeights, load_target
+from difftest.tolerances import Tolerance, tolerance_for
+
+DEFAULT_STATES_NAMES = ("states.safetensors", "../states.safetensors")
+
+
+def reference_adapter() -> EngineAdapter:
+    from difftest.engines.speculators_engine import SpeculatorsAdapter
+
+    return SpeculatorsAdapter()
+
+
+def candidate_adapter() -> EngineAdapter:
+    from difftest.engines.sglang_engine import SGLangAdapter
+
+    return SGLangAdapter()
+
+
+@dataclass
+class RunInputs:
+    checkpoint: Checkpoint
+    target: TargetWeights
+    states: CapturedStates
+    states_source: str
+
+
+@dataclass
+class RunResult:
+    inputs: RunInputs
+    options: RunOptions
+    tolerance: Tolerance
+    reference: EngineRun
+    candidate: EngineRun
+    comparison: Comparison
+    diagnosis: Diagnosis | None
+    noise_floor: dict[str, dict[str, float]] | None
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+
+def resolve_target_path(ckpt: Checkpoint, target: str | Path | None) -> Path:
+    if target is not None:
+        return Path(target)
+    verifier = ((ckpt.config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    candidates = [ckpt.path / verifier] if verifier and not Path(verifier).is_absolute() else ([Path(verifier)] if verifier else [])
+    candidates.append(ckpt.path.parent / "target")
+    for c in candidates:
+        if (c / "config.json").is_file():
+            return c.resolve()
+    raise InputError(f"{ckpt.path}: no target found; pass --target DIR (an HF Llama target with safetensors weights)")
+
+
+def resolve_states(ckpt: Checkpoint, states: str | Path | None) -> Path:
+    if states is not None:
+        return Path(states)
+    for name in DEFAULT_STATES_NAMES:
+        p = ckpt.path / name
+        if p.is_file():
+            return p.resolve()
+    raise InputError(f"{ckpt.path}: no captured hidden states found; pass --states FILE")
+
+
+def prepare(ckpt_path, target=None, states=None, max_tokens: int | None = None) -> RunInputs:
+    ckpt = load_checkpoint(ckpt_path)
+    tgt = load_target(resolve_target_path(ckpt, target))
+    states_path = resolve_states(ckpt, states)
+    st = load_states(states_path)
+    if max_tokens:
+        st = st.head(max_tokens)
+    check_states_fit(st, ckpt.spec.target_hidden_size, ckpt.spec.num_aux, str(states_path))
+    if tgt.hidden_size != ckpt.spec.target_hidden_size:
+        raise InputError(f"target hidden size {tgt.hidden_size} does not match the draft's target_hidden_size {ckpt.spec.target_hidden_size}")
+    if tgt.vocab_size != ckpt.spec.target_vocab_size:
+        raise InputError(f"target vocab {tgt.vocab_size} does not match the draft config's vocab_size {ckpt.spec.target_vocab_size}")
+    if int(st.input_ids.max()) >= tgt.vocab_size or int(st.input_ids.min()) < 0:
+        raise InputError(f"{states_path}: input_ids outside the target vocab [0, {tgt.vocab_size})")
+    return RunInputs(ckpt, tgt, st, str(states_path))
+
+
+def run(
+    inputs: RunInputs,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    serving: ServingSetup = ServingSetup(),
+    reference: EngineAdapter | None = None,
+    candidate: EngineAdapter | None = None,
+    measure_noise: bool | None = None,
+) -> RunResult:
+    reference = reference or reference_adapter()
+    candidate = candidate or candidate_adapter()
+    options = RunOptions(dtype=dtype, device=device, serving=serving)
+    t0 = time.perf_counter()
+    ref_run = reference.run(inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=dtype, device=device))
+    cand_run = candidate.run(inputs.checkpoint, inputs.target, inputs.states, options)
+    floor = None
+    if measure_noise if measure_noise is not None else dtype != torch.float32:
+        full = reference.run(inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=torch.float32, device=device))
+        floor = noise_floor(ref_run, full)
+    tol = tolerance_for(dtype)
+    comparison = compare_runs(ref_run.probes, cand_run.probes, tol, cand_run.missing)
+    return RunResult(
+        inputs=inputs, options=options, tolerance=tol, reference=ref_run, candidate=cand_run,
+        comparison=comparison, diagnosis=diagnose(comparison), noise_floor=floor,
+        timings_s={"engines": time.perf_counter() - t0},
+    )

@@ -1,0 +1,169 @@
+"""Turn a RunResult into report.json (versioned schema) and report.md, written atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+from difftest.pipeline import RunResult
+
+SCHEMA_VERSION = "1.0"
+SCHEMA_FILE = Path(__file__).with_name("schema.json")
+ENGINE_PACKAGES = ("torch", "sglang", "speculators", "transformers", "safetensors", "numpy")
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for pkg in ENGINE_PACKAGES:
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def verdict_of(result: RunResult) -> str:
+    return "PARITY" if result.comparison.parity else "DIVERGED"
+
+
+def build_report(result: RunResult, command: list[str] | None = None, extra: dict | None = None) -> dict:
+    first = result.comparison.first_divergence
+    ckpt = result.inputs.checkpoint
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "verdict": verdict_of(result),
+        "diagnosis": result.diagnosis.as_dict() if result.diagnosis else None,
+        "first_divergence": first.as_dict() if first else None,
+        "probes": [r.as_dict() for r in result.comparison.results],
+        "engines": {
+            "reference": {"name": result.reference.engine, "timings_s": result.reference.timings_s, "details": result.reference.details},
+            "candidate": {"name": result.candidate.engine, "timings_s": result.candidate.timings_s, "details": result.candidate.details,
+                          "missing": result.candidate.missing},
+        },
+        "checkpoint": {"path": str(ckpt.path), "format": ckpt.format.value, "spec": ckpt.spec.__dict__ | {
+            "aux_layer_ids": list(ckpt.spec.aux_layer_ids) if ckpt.spec.aux_layer_ids else None}},
+        "inputs": {
+            "target": str(result.inputs.target.path),
+            "states": result.inputs.states_source,
+            "num_tokens": result.inputs.states.num_tokens,
+            "num_requests": int(result.inputs.states.seq_lens.numel()),
+            "aux_layer_ids": list(result.inputs.states.aux_layer_ids),
+        },
+        "serving_setup": result.options.serving.__dict__,
+        "tolerance": {"dtype": str(result.options.dtype).replace("torch.", ""), **result.tolerance.as_dict()},
+        "noise_floor": result.noise_floor,
+        "environment": {
+            "packages": _versions(),
+            "python": platform.python_version(),
+            "device": result.options.device,
+            "dtype": str(result.options.dtype).replace("torch.", ""),
+        },
+        "timings_s": result.timings_s,
+        "command": command or [],
+    }
+    if extra:
+        report.update(extra)
+    return json.loads(json.dumps(report, default=_jsonable))
+
+
+def _jsonable(o):
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    if isinstance(o, float):
+        return o
+    return str(o)
+
+
+def validate_report(report: dict) -> None:
+    import jsonschema
+
+    jsonschema.validate(report, json.loads(SCHEMA_FILE.read_text()))
+
+
+def _fmt(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.3g}"
+    return str(x)
+
+
+def render_markdown(report: dict) -> str:
+    lines = [f"# difftest report: {report['verdict']}", ""]
+    diag = report.get("diagnosis")
+    if diag:
+        lines += [f"**Root cause:** `{diag['cause']}` (first divergence at `{diag['probe']}`)", "",
+                  diag["explanation"], "", f"**Fix:** {diag['fix']}", ""]
+    else:
+        lines += ["Every probe agrees within the "
+                  f"{report['tolerance']['dtype']} tolerance.", ""]
+    for key, title in (("training", "Training"), ("acceptance", "Acceptance")):
+        if key in report:
+            lines += [f"## {title}", "", "```", json.dumps(report[key], indent=2), "```", ""]
+    lines += ["## Probes (dataflow order)", "",
+              "| probe | status | rel_max | rel_diff | cosine | agreement | would pass at | detail |",
+              "|---|---|---|---|---|---|---|---|"]
+    for p in report["probes"]:
+        m = p["metrics"]
+        wp = ", ".join(f"{k}={_fmt(v)}" for k, v in p["would_pass_at"].items())
+        lines.append(
+            f"| {p['probe']} | {p['status']} | {_fmt(m.get('rel_max', ''))} | {_fmt(m.get('rel_diff', ''))} | "
+            f"{_fmt(m.get('cosine', ''))} | {_fmt(m.get('agreement', ''))} | {wp} | {p['detail']} |"
+        )
+    tol = report["tolerance"]
+    lines += ["", f"Tolerance ({tol['dtype']}): rel_max {tol['rel_max']}, rel_diff {tol['rel_diff']}, "
+              f"token near-tie margin {tol['near_tie_margin']}.", ""]
+    if report.get("noise_floor"):
+        lines += ["Measured noise floor (reference engine at this dtype vs its own fp32 run):", "",
+                  "| probe | rel_max | rel_diff |", "|---|---|---|"]
+        lines += [f"| {k} | {_fmt(v['rel_max'])} | {_fmt(v['rel_diff'])} |" for k, v in report["noise_floor"].items()]
+        lines.append("")
+    cand = report["engines"]["candidate"]["details"]
+    if "load" in cand:
+        load = cand["load"]
+        lines += ["## SGLang load", "",
+                  f"- dropped checkpoint tensors: {load['dropped'] or 'none'}",
+                  f"- parameters left at init: {load['params_left_at_init'] or 'none'}",
+                  f"- shared from target: {load['shared_from_target'] or 'none'} (via {cand.get('lm_head_path')})",
+                  f"- d2t: {load['d2t']}", ""]
+    if cand.get("conversion_notes"):
+        lines += ["## Config conversion", ""] + [f"- `{k}`: {v}" for k, v in cand["conversion_notes"].items()] + [""]
+    sk = cand.get("sgl_kernel_standin")
+    if sk:
+        lines += ["## sgl_kernel stand-in", "",
+                  f"- installed: {sk['installed']} ({sk['reason']})",
+                  f"- symbols bound at import: {', '.join(sk['symbols_bound']) or 'none'}",
+                  f"- calls: {sk['total_calls']} (expected 0; any call raises)", ""]
+    env = report["environment"]
+    lines += ["## Environment", "", f"- device {env['device']}, dtype {env['dtype']}, python {env['python']}"]
+    lines += [f"- {k} {v}" for k, v in env["packages"].items()]
+    ref_t, cand_t = report["engines"]["reference"]["timings_s"], report["engines"]["candidate"]["timings_s"]
+    lines += ["", "## Timings (s)", "", "| engine | import | load | forward |", "|---|---|---|---|",
+              f"| speculators | {_fmt(ref_t.get('import', 0))} | {_fmt(ref_t.get('load', 0))} | {_fmt(ref_t.get('forward', 0))} |",
+              f"| sglang | {_fmt(cand_t.get('import', 0))} | {_fmt(cand_t.get('load', 0))} | {_fmt(cand_t.get('forward', 0))} |", ""]
+    if report.get("command"):
+        lines += ["## Reproduce", "", "```", " ".join(report["command"]), "```", ""]
+    return "\n".join(lines)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_reports(report: dict, out_dir: str | Path) -> dict[str, Path]:
+    validate_report(report)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "report.json", "md": out / "report.md"}
+    _atomic_write(paths["json"], json.dumps(report, indent=2) + "\n")
+    _atomic_write(paths["md"], render_markdown(report))
+    return paths
