@@ -5,6 +5,8 @@ Convention (speculators 0.9.0, `models/utils.py` and `train/data.py`): layer id 
 decoder layer k-1. The verifier's last state is the input of the final norm: HF's
 `hidden_states[-1]` is taken after that norm in transformers 5.19, so a hook on the
 norm's input is the only way to get the tensor the draft's `verifier_norm` expects.
+For the same reason id n (allowed: the final state) is taken before the final norm, so
+that id k always means "output of decoder layer k-1".
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ def capture_states(model, sequences: list[list[int]], aux_layer_ids: list[int], 
         for ids in sequences:
             pre_norm.clear()
             out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
-            hs = out.hidden_states
+            n = len(out.hidden_states) - 1
+            hs = list(out.hidden_states[:n]) + [pre_norm[-1]]
             aux_parts.append(torch.cat([hs[k][0] for k in aux_layer_ids], dim=-1).float())
             last_parts.append(pre_norm[-1][0].float())
     finally:

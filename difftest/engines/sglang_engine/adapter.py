@@ -146,7 +146,7 @@ class SGLangAdapter:
                 "shared_from_target": share["shared"],
             },
             "conversion_notes": conversion_notes,
-            "sgl_kernel_standin": ledger.as_dict() | {"reason": ledger.reason.strip().splitlines()[0] if ledger.reason else ""},
+            "sgl_kernel_standin": ledger.as_dict(),
             "lm_head_path": share["path"],
         }
         return EngineRun(engine=self.name, probes=probes, missing=missing, timings_s=timings, details=details)

@@ -75,5 +75,7 @@ def install_if_needed() -> StandInLedger:
         module.__path__ = []  # a package, so `import sgl_kernel.x` fails cleanly instead of oddly
         sys.modules["sgl_kernel"] = module
         LEDGER.installed = True
-        LEDGER.reason = f"{type(exc).__name__}: {exc}"
+        # sgl_kernel's message is a long multi-line diagnostic; keep its headline.
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        LEDGER.reason = f"{type(exc).__name__}: {lines[0] if lines else ''}"
         return LEDGER
