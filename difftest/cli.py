@@ -72,24 +72,36 @@ def report(
 ) -> None:
     """Run both engines on the same captured states and report parity probe by probe."""
     quiet_engines(verbose)
+    from difftest.engines.base import ServingSetup
+
     torch_dtype = parse_dtype(dtype)
     if device.split(":")[0] not in ("cpu", "cuda"):
         fail(f"--device must be cpu or cuda, got {device!r}")
     try:
-        from difftest import pipeline
-        from difftest.engines.base import ServingSetup
-        from difftest.report import build_report, write_reports
-
+        jobs: list[tuple[Path, Path]] = []
+        extra: dict = {}
         if checkpoint is None:
+            import json
+
             from difftest.fixturegen.default import default_fixture
 
             fx = default_fixture(progress=not quiet)
-            checkpoint, target, states = fx.checkpoint, target or fx.target, states or fx.states
-        inputs = pipeline.prepare(checkpoint, target, states, max_tokens=max_tokens)
+            target, states = target or fx.target, states or fx.states
+            jobs = [(fx.checkpoint, out), (fx.legacy, out / "legacy")]
+            if fx.training and fx.training.is_file():
+                extra["training"] = json.loads(fx.training.read_text())
+        else:
+            jobs = [(checkpoint, out)]
         serving = ServingSetup(aux_capture=not serve_without_aux_capture, lm_head_from_target=serve_lm_head_from_target)
-        result = pipeline.run(inputs, dtype=torch_dtype, device=device, serving=serving)
-        rep = build_report(result, command=["difftest", *sys.argv[1:]])
-        paths = write_reports(rep, out)
+        codes = []
+        for ckpt, out_dir in jobs:
+            rep, paths = _report_one(ckpt, target, states, torch_dtype, device, out_dir, max_tokens, serving, extra)
+            first = rep["first_divergence"]
+            line = rep["verdict"] + (f": first divergence at {first['probe']} ({rep['diagnosis']['cause']})" if first else "")
+            typer.echo(f"{line}  [{rep['checkpoint']['format']}: {ckpt}]" if len(jobs) > 1 else line)
+            if not quiet:
+                typer.echo(f"wrote {paths['json']} and {paths['md']}")
+            codes.append(EXIT_PARITY if rep["verdict"] == "PARITY" else EXIT_DIVERGED)
     except InputError as exc:
         fail(str(exc))
     except typer.Exit:
@@ -98,12 +110,17 @@ def report(
         if verbose:
             raise
         fail(f"internal error: {type(exc).__name__}: {exc} (rerun with -v for the traceback)", EXIT_INTERNAL)
-    first = rep["first_divergence"]
-    line = rep["verdict"] + (f": first divergence at {first['probe']} ({rep['diagnosis']['cause']})" if first else "")
-    typer.echo(line)
-    if not quiet:
-        typer.echo(f"wrote {paths['json']} and {paths['md']}")
-    raise typer.Exit(EXIT_PARITY if rep["verdict"] == "PARITY" else EXIT_DIVERGED)
+    raise typer.Exit(max(codes))
+
+
+def _report_one(ckpt, target, states, dtype, device, out_dir, max_tokens, serving, extra):
+    from difftest import pipeline
+    from difftest.report import build_report, write_reports
+
+    inputs = pipeline.prepare(ckpt, target, states, max_tokens=max_tokens)
+    result = pipeline.run(inputs, dtype=dtype, device=device, serving=serving)
+    rep = build_report(result, command=["difftest", *sys.argv[1:]], extra=extra)
+    return rep, write_reports(rep, out_dir)
 
 
 @app.command("build-fixtures")

@@ -17,7 +17,10 @@ from difftest.states import CapturedStates
 
 
 @torch.no_grad()
-def capture_states(model, sequences: list[list[int]], aux_layer_ids: list[int], loss_masks=None) -> CapturedStates:
+def capture_states(model, sequences: list[list[int]], aux_layer_ids: list[int], loss_masks=None, shift: bool = False) -> CapturedStates:
+    """shift=True pairs them as the draft consumes them (speculators' shift_batch, and the
+    EAGLE worker): token t+1 with the target's states at token t, and the verifier state
+    that scores token t+1's prediction."""
     model.eval()
     pre_norm: list[torch.Tensor] = []
     handle = model.model.norm.register_forward_pre_hook(lambda _m, args: pre_norm.append(args[0].detach()))
@@ -32,6 +35,11 @@ def capture_states(model, sequences: list[list[int]], aux_layer_ids: list[int], 
             last_parts.append(pre_norm[-1][0].float())
     finally:
         handle.remove()
+    if shift:
+        aux_parts = [a[:-1] for a in aux_parts]
+        last_parts = [v[1:] for v in last_parts]
+        sequences = [ids[1:] for ids in sequences]
+        loss_masks = None if loss_masks is None else [m[1:] for m in loss_masks]
     flat = [t for ids in sequences for t in ids]
     mask = None
     if loss_masks is not None:

