@@ -20,6 +20,11 @@ def pytest_addoption(parser):
 
 
 @pytest.fixture(scope="session")
+def difftest_on_embedded_fixture(request) -> bool:
+    return request.config.getoption("--difftest-ckpt") is None
+
+
+@pytest.fixture(scope="session")
 def difftest_result(request):
     from difftest.cli import quiet_engines
     from difftest.errors import InputError

@@ -6,6 +6,8 @@ File format (safetensors, version 1):
     aux_hidden_states            float  [T, A*H]     the A aux layers concatenated, in id order
     verifier_last_hidden_states  float  [T, H]       the target's last state BEFORE its final norm
     loss_mask                    uint8  [T]          optional: 1 where the token is a response token
+Row t is one draft input: the token the draft embeds at t, with the target's states at the
+token before it (speculators' shift_batch and the EAGLE worker pair them the same way).
 metadata:
     difftest_states_version  "1"
     aux_layer_ids            JSON list, in HF convention: id k is HF hidden_states[k]

@@ -23,9 +23,17 @@ def test_engine_imports(engine_module):
 
 
 @pytest.mark.parametrize("probe", PROBE_NAMES)
-def test_probe_parity(difftest_result, probe):
+def test_probe_parity(difftest_result, difftest_on_embedded_fixture, probe, request):
+    from difftest.known_divergences import KNOWN_UPSTREAM_DIVERGENCES
+    from difftest.probes import probe_index
+
     result = next(r for r in difftest_result.comparison.results if r.probe == probe)
     diag = difftest_result.diagnosis
+    first = difftest_result.comparison.first_divergence
+    if (difftest_on_embedded_fixture and diag and diag.cause in KNOWN_UPSTREAM_DIVERGENCES
+            and probe_index(probe) >= probe_index(first.probe) and not result.ok):
+        request.applymarker(pytest.mark.xfail(reason=f"known upstream divergence {diag.cause}: "
+                                              + KNOWN_UPSTREAM_DIVERGENCES[diag.cause], strict=True))
     assert result.ok, (
         f"{probe}: {result.status.value} {result.detail} metrics={result.metrics} tolerance={result.tolerance}"
         + (f"\nroot cause: {diag.cause}: {diag.explanation}\nfix: {diag.fix}" if diag else "")

@@ -18,31 +18,13 @@ import torch
 from difftest.checkpoint import Checkpoint, CheckpointFormat
 from difftest.convert import legacy_to_speculators
 from difftest.engines.base import EngineRun, RunOptions
+from difftest.engines.hooks import ProbeRecorder
 from difftest.states import CapturedStates
 from difftest.target import TargetWeights
 
 # flex attention has no CPU backward and its block masks need a GPU compile; sdpa is
 # bit-identical in fp32 on the one-step forward (see the shared notes).
 ATTN_IMPL = {"cpu": "sdpa", "cuda": "simple_flex_attention"}
-
-
-class _Probes:
-    def __init__(self):
-        self.values: dict[str, torch.Tensor] = {}
-        self.handles = []
-
-    def put(self, name, tensor):
-        self.values.setdefault(name, tensor.detach().float().cpu().clone()[0])  # drop the batch dim
-
-    def output(self, module, name, pick=lambda o: o):
-        self.handles.append(module.register_forward_hook(lambda _m, _a, out: self.put(name, pick(out))))
-
-    def input(self, module, name):
-        self.handles.append(module.register_forward_pre_hook(lambda _m, args, kwargs=None: self.put(name, args[0] if args else kwargs["hidden_states"]), with_kwargs=False))
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
 
 
 class SpeculatorsAdapter:
@@ -101,7 +83,7 @@ class SpeculatorsAdapter:
         # (1 + arange over the packed batch) differs only by a RoPE shift inside a document.
         positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lens])
 
-        p = _Probes()
+        p = ProbeRecorder(drop_batch_dim=True)
         layer0 = model.layers[0]
         p.output(model.embed_tokens, "embed")
         p.input(model.fc, "fc.input")

@@ -35,7 +35,7 @@ GEN_BATCH = 16
 TRAIN_RATIO = 0.9
 REPORT_MAX_TOKENS = 640
 EPOCHS_ENV = "DIFFTEST_TRAIN_EPOCHS"
-DEFAULT_EPOCHS = 10
+DEFAULT_EPOCHS = 12
 
 
 @dataclass
@@ -204,8 +204,12 @@ def train(p: Paths, log: Callable[[str], None]) -> dict:
         "--d2t-path", str(p.data / f"d2t-{DRAFT_VOCAB}.npy"), "--t2d-path", str(p.data / f"t2d-{DRAFT_VOCAB}.npy"),
         "--on-missing", "raise", "--num-workers", "0", "--train-data-ratio", str(TRAIN_RATIO),
         "--epochs", str(epochs), "--save-path", str(p.train_out), "--seed", "0",
-        # What CPU forces: flex attention has no CPU backward; the fused loss is a Triton kernel.
+        # What CPU forces: flex attention has no CPU backward; the fused loss is a Triton kernel;
+        # without flex's block-sparse masks, sdpa builds dense [L, 3L] masks, so the default
+        # 8192-token packing runs at ~100 tok/s here and 2048 at ~600 tok/s; bf16 autocast
+        # has no fast CPU kernels without AMX, so the states stay fp32.
         "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
+        "--total-seq-len", "2048", "--hidden-states-dtype", "float32",
     ]
     cmd = [sys.executable, "-m", "difftest.fixturegen.train_cpu", *argv]
     env = dict(os.environ, PYTHONUNBUFFERED="1")

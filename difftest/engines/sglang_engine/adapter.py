@@ -21,6 +21,7 @@ import torch
 from difftest.checkpoint import Checkpoint, CheckpointFormat
 from difftest.convert import legacy_config, legacy_name
 from difftest.engines.base import EngineRun, RunOptions
+from difftest.engines.hooks import ProbeRecorder
 from difftest.engines.sglang_engine.runtime import ensure_runtime
 from difftest.states import CapturedStates
 from difftest.target import TargetWeights
@@ -73,26 +74,6 @@ class _LoadRecorder:
             return loader(param, loaded, *args)
 
         return recording_loader
-
-
-class _Probes:
-    def __init__(self):
-        self.values: dict[str, torch.Tensor] = {}
-        self.handles = []
-
-    def put(self, name: str, tensor: torch.Tensor) -> None:
-        # First call wins: a probe names one point in one forward.
-        self.values.setdefault(name, tensor.detach().float().cpu().clone())
-
-    def output(self, module, name, pick=lambda o: o):
-        self.handles.append(module.register_forward_hook(lambda _m, _a, out: self.put(name, pick(out))))
-
-    def input(self, module, name):
-        self.handles.append(module.register_forward_pre_hook(lambda _m, args: self.put(name, args[0])))
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
 
 
 class SGLangAdapter:
@@ -229,7 +210,7 @@ class SGLangAdapter:
         )
         backend.init_forward_metadata(batch)
 
-        probes = _Probes()
+        probes = ProbeRecorder()
         inner = model.model
         layer0 = inner.layers[0]
         probes.output(inner.embed_tokens, "embed")

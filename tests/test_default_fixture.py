@@ -1,0 +1,89 @@
+"""The real default fixture: SmolLM2-135M target, a draft trained by speculators' own trainer.
+
+Builds it on first use (cached afterwards), so this module is slow once per machine.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from difftest.checkpoint import CheckpointFormat, load_checkpoint
+from difftest.fixturegen import smollm2
+from difftest.fixturegen.cache import Step
+from difftest.fixturegen.default import default_fixture
+from difftest.report import validate_report
+from tests.conftest import tree_hash
+
+
+@pytest.fixture(scope="module")
+def fx():
+    return default_fixture(progress=False)
+
+
+def test_target_is_the_real_smollm2(fx):
+    cfg = json.loads((fx.target / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (576, 30, 49152)
+    assert cfg["tie_word_embeddings"] is True and cfg["model_type"] == "llama"
+
+
+def test_draft_keeps_the_trainers_defaults(fx):
+    ckpt = load_checkpoint(fx.checkpoint)
+    assert ckpt.format is CheckpointFormat.SPECULATORS
+    # speculators resolves [2, n//2, n-3] for a 30-layer target.
+    assert ckpt.spec.aux_layer_ids == (2, 15, 27)
+    assert ckpt.spec.num_hidden_layers == 1 and ckpt.spec.draft_vocab_size < 49152
+    layer = ckpt.config["transformer_layer_config"]
+    assert layer.get("layer_types") == ["sliding_attention"]
+    assert ckpt.config["norm_before_residual"] is True and ckpt.config["norm_before_fc"] is True
+    assert load_checkpoint(fx.legacy).spec == ckpt.spec
+
+
+def test_heldout_step0_accuracy_is_far_above_chance(fx):
+    acc = json.loads(fx.training.read_text())
+    assert acc["heldout_conversations"] >= 10
+    assert acc["full_acc_0"] > 0.1 and acc["full_acc_0"] > 100 * acc["chance"], acc
+
+
+def test_built_steps_are_not_repeated(fx):
+    p = smollm2.Paths(fx.target.parent)
+    records = sorted(p.root.glob("*.done.json"))
+    assert {r.name.split(".")[0].split("-")[0] for r in records} >= {"target", "generate", "capture", "vocab", "train", "export"}
+    mtimes = {r: r.stat().st_mtime for r in records}
+    smollm2.build()
+    assert {r: r.stat().st_mtime for r in records} == mtimes
+    for r in records:
+        name = r.name[: -len(".done.json")]
+        outputs = [p.root / k for k in json.loads(r.read_text())["sha256"]]
+        assert Step(p.root, name, outputs).done()
+
+
+def test_heldout_states_pair_tokens_as_the_trainer_does(fx):
+    from difftest.states import load_states
+
+    st = load_states(fx.states)
+    assert st.aux_layer_ids == (2, 15, 27)
+    assert st.aux_hidden_states.shape[1] == 3 * 576 and st.loss_mask is not None
+
+
+def test_main_job_reports_both_formats(fx, tmp_path):
+    before = tree_hash(fx.checkpoint.parent)
+    proc = subprocess.run([sys.executable, "-m", "difftest.cli", "report", "--out", str(tmp_path), "-q"],
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    reports = [json.loads((tmp_path / "report.json").read_text()), json.loads((tmp_path / "legacy" / "report.json").read_text())]
+    for rep in reports:
+        validate_report(rep)
+        assert rep["training"]["full_acc_0"] > 0.1
+    assert [r["checkpoint"]["format"] for r in reports] == ["speculators", "legacy"]
+    # Both formats carry the same draft, so the engines must tell the same story for both.
+    assert reports[0]["verdict"] == reports[1]["verdict"]
+    assert (reports[0]["diagnosis"] or {}).get("cause") == (reports[1]["diagnosis"] or {}).get("cause")
+    if load_checkpoint(fx.checkpoint).config["norm_before_residual"]:
+        # SGLang has no norm_before_residual: the trainer's default must show up as a real finding.
+        assert reports[0]["verdict"] == "DIVERGED"
+        assert reports[0]["first_divergence"]["probe"] == "layer0.post_attn_residual"
+        assert reports[0]["diagnosis"]["cause"] == "norm_before_residual_ignored"
+    assert tree_hash(fx.checkpoint.parent) == before
