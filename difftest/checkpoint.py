@@ -149,6 +149,17 @@ class Checkpoint:
                 for name in names:
                     yield name, f.get_tensor(name)
 
+    def stored_dtype(self) -> torch.dtype:
+        """The dtype most floating-point tensors were saved in: the precision the draft ships at."""
+        names = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+        counts: dict[torch.dtype, int] = {}
+        for name, file in self._files.items():
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                dt = names.get(f.get_slice(name).get_dtype())
+            if dt is not None:
+                counts[dt] = counts.get(dt, 0) + 1
+        return max(counts, key=counts.get) if counts else torch.float32
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.tensors())
 

@@ -51,8 +51,10 @@ def fail(message: str, code: int = EXIT_INPUT) -> None:
 def parse_dtype(name: str):
     from difftest.tolerances import DTYPES
 
+    if name == "auto":
+        return None
     if name not in DTYPES:
-        fail(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+        fail(f"--dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}")
     return DTYPES[name]
 
 
@@ -61,7 +63,7 @@ def report(
     checkpoint: Optional[Path] = typer.Argument(None, help="draft checkpoint dir (default: the embedded SmolLM2 fixture)"),
     target: Optional[Path] = typer.Option(None, help="HF target model dir (embedding, head, norm)"),
     states: Optional[Path] = typer.Option(None, help="captured hidden-states file (difftest states format)"),
-    dtype: str = typer.Option("fp32", help="fp32 | bf16 | fp16"),
+    dtype: str = typer.Option("auto", help="auto (the checkpoint's stored dtype) | fp32 | bf16 | fp16"),
     device: str = typer.Option("cpu", help="cpu | cuda"),
     out: Path = typer.Option(Path("reports"), help="output directory"),
     max_tokens: Optional[int] = typer.Option(None, help="use only the first whole requests up to this many tokens"),
@@ -118,7 +120,7 @@ def _report_one(ckpt, target, states, dtype, device, out_dir, max_tokens, servin
     from difftest.report import build_report, write_reports
 
     inputs = pipeline.prepare(ckpt, target, states, max_tokens=max_tokens)
-    result = pipeline.run(inputs, dtype=dtype, device=device, serving=serving)
+    result = pipeline.run(inputs, dtype=dtype or inputs.checkpoint.stored_dtype(), device=device, serving=serving)
     rep = build_report(result, command=["difftest", *sys.argv[1:]], extra=extra)
     return rep, write_reports(rep, out_dir)
 

@@ -41,6 +41,17 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        cause="embedding_precision",
+        probes=("embed",),
+        detail_contains="within low-precision rounding",
+        explanation=(
+            "The embeddings differ only by rounding: the checkpoint carries a low-precision copy of the target's "
+            "embedding, which speculators uses, while SGLang's worker replaces it with the target's own (set_embed) "
+            "at the run dtype. At the checkpoint's own dtype the two are identical."
+        ),
+        fix="Compare at the checkpoint's dtype (--dtype auto, the default), or ship embed_tokens at the target's precision.",
+    ),
+    Rule(
         cause="embedding_not_shared",
         probes=("embed",),
         explanation="The draft's token embedding differs from the target's: the serving draft did not receive the target's embedding.",

@@ -62,7 +62,8 @@ def resolve_target_path(ckpt: Checkpoint, target: str | Path | None) -> Path:
         return Path(target)
     verifier = ((ckpt.config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     candidates = [ckpt.path / verifier] if verifier and not Path(verifier).is_absolute() else ([Path(verifier)] if verifier else [])
-    candidates.append(ckpt.path.parent / "target")
+    # The fixture layouts keep the target beside the draft, or one level up.
+    candidates += [ckpt.path.parent / "target", ckpt.path.parent.parent / "target"]
     for c in candidates:
         if (c / "config.json").is_file():
             return c.resolve()

@@ -14,7 +14,7 @@ def pytest_addoption(parser):
     group.addoption("--difftest-ckpt", default=None, help="draft checkpoint dir (default: embedded fixture)")
     group.addoption("--difftest-target", default=None, help="HF target dir")
     group.addoption("--difftest-states", default=None, help="captured hidden-states file")
-    group.addoption("--difftest-dtype", default="fp32", help="fp32 | bf16 | fp16")
+    group.addoption("--difftest-dtype", default="auto", help="auto (checkpoint's stored dtype) | fp32 | bf16 | fp16")
     group.addoption("--difftest-device", default="cpu", help="cpu | cuda")
     group.addoption("--difftest-max-tokens", default=None, type=int, help="limit the states to this many tokens")
 
@@ -43,4 +43,6 @@ def difftest_result(request):
         inputs = prepare(ckpt, target, states, max_tokens=opt("--difftest-max-tokens"))
     except InputError as exc:
         pytest.fail(f"difftest: {exc}", pytrace=False)
-    return run(inputs, dtype=DTYPES[opt("--difftest-dtype")], device=opt("--difftest-device"))
+    name = opt("--difftest-dtype")
+    dtype = inputs.checkpoint.stored_dtype() if name == "auto" else DTYPES[name]
+    return run(inputs, dtype=dtype, device=opt("--difftest-device"))

@@ -8,6 +8,7 @@ the names in `difftest.probes`. Nothing outside an adapter knows how its engine 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Protocol
 
 import torch
@@ -41,6 +42,37 @@ class RunOptions:
     serving: ServingSetup = ServingSetup()
 
 
+class TensorFate(str, Enum):
+    CONSUMED = "consumed"  # copied into a parameter under its own name
+    RENAMED = "renamed"  # copied into a parameter after the engine renamed it
+    IGNORED = "ignored"  # skipped on purpose, with the engine's reason
+    DROPPED = "dropped"  # skipped without a word
+
+
+class ParamFate(str, Enum):
+    WRITTEN = "written"  # from the checkpoint
+    SHARED = "shared"  # from the target (embedding, head)
+    INIT = "init"  # left at initialization
+
+
+@dataclass
+class LoadLedger:
+    """Where every checkpoint tensor went and where every parameter came from."""
+
+    tensors: dict[str, tuple[TensorFate, list[str], str]] = field(default_factory=dict)  # name -> (fate, into, note)
+    params: dict[str, tuple[ParamFate, str]] = field(default_factory=dict)  # param -> (fate, note)
+
+    def names(self, fate) -> list[str]:
+        table = self.tensors if isinstance(fate, TensorFate) else self.params
+        return sorted(n for n, v in table.items() if v[0] is fate)
+
+    def as_dict(self) -> dict:
+        return {
+            "tensors": {n: {"fate": f.value, "into": into, "note": note} for n, (f, into, note) in sorted(self.tensors.items())},
+            "params": {n: {"fate": f.value, "note": note} for n, (f, note) in sorted(self.params.items())},
+        }
+
+
 @dataclass
 class EngineRun:
     """What one engine produced: probe tensors on CPU plus what it noticed while loading."""
@@ -52,6 +84,7 @@ class EngineRun:
     notes: list[str] = field(default_factory=list)
     timings_s: dict[str, float] = field(default_factory=dict)
     details: dict = field(default_factory=dict)
+    ledger: LoadLedger = field(default_factory=LoadLedger)
 
 
 class EngineAdapter(Protocol):

@@ -17,7 +17,7 @@ import torch
 
 from difftest.checkpoint import Checkpoint, CheckpointFormat
 from difftest.convert import legacy_to_speculators
-from difftest.engines.base import EngineRun, RunOptions
+from difftest.engines.base import EngineRun, LoadLedger, ParamFate, RunOptions, TensorFate
 from difftest.engines.hooks import ProbeRecorder
 from difftest.states import CapturedStates
 from difftest.target import TargetWeights
@@ -47,6 +47,9 @@ class SpeculatorsAdapter:
             config.transformer_layer_config._attn_implementation = ATTN_IMPL.get(options.device.split(":")[0], "sdpa")
             config.speculators_config.verifier.name_or_path = str(target.path)
             model = Eagle3DraftModel.from_pretrained(str(src), config=config)
+        # speculators initializes embed/lm_head to NaN; whatever is still NaN now is what
+        # load_verifier_weights will fill from the target.
+        nan_before_verifier = {n for n, t in model.state_dict().items() if t.is_floating_point() and t.isnan().all()}
         model.load_verifier_weights()
         model = model.to(device=options.device, dtype=options.dtype).eval()
         timings["load"] = time.perf_counter() - t0
@@ -55,24 +58,35 @@ class SpeculatorsAdapter:
         probes = self._forward(model, states, options)
         timings["forward"] = time.perf_counter() - t0
         details = {
-            "load": self._ledger(model, checkpoint),
+            "module_graph": [f"{n}:{type(m).__name__}" for n, m in model.named_modules()],
             "attn_implementation": config.transformer_layer_config._attn_implementation,
             "aux_layer_ids": list(model.config.eagle_aux_hidden_state_layer_ids or []),
         }
-        return EngineRun(engine=self.name, probes=probes, timings_s=timings, details=details)
+        return EngineRun(engine=self.name, probes=probes, timings_s=timings, details=details,
+                         ledger=self._ledger(model, checkpoint, nan_before_verifier))
 
     @staticmethod
-    def _ledger(model, checkpoint: Checkpoint) -> dict:
+    def _ledger(model, checkpoint: Checkpoint, from_verifier: set[str]) -> LoadLedger:
         from difftest.convert import speculators_name
 
-        model_keys = set(model.state_dict())
+        ledger = LoadLedger()
+        state = model.state_dict()
+        for name in checkpoint.tensor_names():
+            key = speculators_name(name)
+            if key in state:
+                fate = TensorFate.CONSUMED if key == name else TensorFate.RENAMED
+                ledger.tensors[name] = (fate, [key], "" if key == name else "renamed by difftest's legacy->speculators converter")
+            else:
+                ledger.tensors[name] = (TensorFate.DROPPED, [], "no such key in Eagle3DraftModel")
         ckpt_keys = {speculators_name(n) for n in checkpoint.tensor_names()}
-        return {
-            "consumed": sorted(ckpt_keys & model_keys),
-            "dropped": sorted(ckpt_keys - model_keys),
-            # from_pretrained leaves these to load_verifier_weights (or to their init).
-            "not_in_checkpoint": sorted(model_keys - ckpt_keys),
-        }
+        for key in state:
+            if key in ckpt_keys:
+                ledger.params[key] = (ParamFate.WRITTEN, "")
+            elif key in from_verifier or key.startswith("verifier_"):
+                ledger.params[key] = (ParamFate.SHARED, "load_verifier_weights (lm_head: the verifier head's t2d rows)")
+            else:
+                ledger.params[key] = (ParamFate.INIT, "not in the checkpoint")
+        return ledger
 
     @torch.no_grad()
     def _forward(self, model, states: CapturedStates, options: RunOptions) -> dict[str, torch.Tensor]:

@@ -55,7 +55,7 @@ class Paths:
     @property
     def legacy(self) -> Path: return self.root / "draft" / "legacy"
     @property
-    def states(self) -> Path: return self.root / "heldout_states.safetensors"
+    def states(self) -> Path: return self.root / "draft" / "states.safetensors"  # found from either format's dir
     @property
     def training_json(self) -> Path: return self.root / "training.json"
 
@@ -221,7 +221,16 @@ def train(p: Paths, log: Callable[[str], None]) -> dict:
             log(line.rstrip()[:200])
     if proc.wait() != 0:
         raise RuntimeError("speculators trainer failed:\n" + "\n".join(tail))
-    return {"epochs": epochs, "argv": argv}
+    # Keep the final checkpoint and the run's own record; the per-epoch optimizer states
+    # are ~1 GB that nothing downstream reads.
+    final = _final_checkpoint(p.train_out)
+    for entry in p.train_out.iterdir():
+        if entry != final and entry.name not in ("run.yaml", "train_command.txt", "speculators.patch"):
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    for f in final.iterdir():
+        if f.suffix == ".pt":
+            f.unlink()
+    return {"epochs": epochs, "argv": argv, "final_checkpoint": final.name}
 
 
 def _final_checkpoint(train_out: Path) -> Path:
@@ -256,6 +265,7 @@ def heldout_accuracy(p: Paths, draft_dir: Path) -> dict:
     config.speculators_config.verifier.name_or_path = str(p.target)
     model = Eagle3DraftModel.from_pretrained(str(draft_dir), config=config).eval()
     model.load_verifier_weights()
+    model = model.float()  # the trainer saves bf16 weights; the captured states are fp32
     loss_cfg = resolve_loss_config("kl_div", "eager")
     sums: dict[str, float] = {}
     for i in range(start, len(convs)):

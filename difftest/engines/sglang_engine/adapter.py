@@ -20,7 +20,7 @@ import torch
 
 from difftest.checkpoint import Checkpoint, CheckpointFormat
 from difftest.convert import legacy_config, legacy_name
-from difftest.engines.base import EngineRun, RunOptions
+from difftest.engines.base import EngineRun, LoadLedger, ParamFate, RunOptions, TensorFate
 from difftest.engines.hooks import ProbeRecorder
 from difftest.engines.sglang_engine.runtime import ensure_runtime
 from difftest.states import CapturedStates
@@ -82,7 +82,7 @@ class SGLangAdapter:
     def run(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, options: RunOptions) -> EngineRun:
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        ledger = ensure_runtime(options.device)
+        standin = ensure_runtime(options.device)
         from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
         from transformers import LlamaConfig
 
@@ -113,24 +113,48 @@ class SGLangAdapter:
         probes, missing = self._forward(model, target, states, options)
         timings["forward"] = time.perf_counter() - t0
 
-        dropped = sorted(n for n in served_names if n not in recorder.consumed and n not in ("d2t", "t2d"))
+        ledger = self._ledger(model, served_names, recorder, share["shared"])
+        dropped = ledger.names(TensorFate.DROPPED)
         details = {
             "load": {
-                "consumed": {k: v for k, v in sorted(recorder.consumed.items())},
-                "renamed": {k: v for k, v in served_names.items() if k != v},
+                "consumed": sorted(recorder.consumed),
                 "dropped": dropped,
-                "ignored": {"t2d": "load_weights skips t2d"} if "t2d" in served_names else {},
                 "d2t": "hot_token_id = d2t + arange" if model.hot_token_id is not None else "absent: draft ids used as target ids",
-                "params_left_at_init": sorted(
-                    n for n, _ in model.named_parameters() if n not in recorder.written and n not in share["shared"]
-                ),
-                "shared_from_target": share["shared"],
+                "params_left_at_init": ledger.names(ParamFate.INIT),
+                "shared_from_target": ledger.names(ParamFate.SHARED),
             },
             "conversion_notes": conversion_notes,
-            "sgl_kernel_standin": ledger.as_dict(),
+            "sgl_kernel_standin": standin.as_dict(),
             "lm_head_path": share["path"],
         }
-        return EngineRun(engine=self.name, probes=probes, missing=missing, timings_s=timings, details=details)
+        details["module_graph"] = [f"{n}:{type(m).__name__}" for n, m in model.named_modules()]
+        return EngineRun(engine=self.name, probes=probes, missing=missing, timings_s=timings, details=details, ledger=ledger)
+
+    @staticmethod
+    def _ledger(model, served_names: dict[str, str], recorder: "_LoadRecorder", shared: list[str]) -> LoadLedger:
+        ledger = LoadLedger()
+        # load_weights' own special cases (llama_eagle3.py): d2t becomes hot_token_id, t2d is skipped.
+        special = {"d2t": (TensorFate.IGNORED, "not a parameter: hot_token_id = d2t + arange"),
+                   "t2d": (TensorFate.IGNORED, "load_weights skips t2d")}
+        for original, served in served_names.items():
+            if original in special:
+                fate, note = special[original]
+                ledger.tensors[original] = (fate, ["hot_token_id"] if original == "d2t" else [], note)
+            elif original in recorder.consumed:
+                fate = TensorFate.RENAMED if served != original else TensorFate.CONSUMED
+                ledger.tensors[original] = (fate, recorder.consumed[original], f"served as {served}" if served != original else "")
+            else:
+                ledger.tensors[original] = (TensorFate.DROPPED, [], f"served as {served}; no parameter took it")
+        for pname, _ in model.named_parameters():
+            if pname in shared:
+                ledger.params[pname] = (ParamFate.SHARED, "from the target")
+            elif pname in recorder.written:
+                ledger.params[pname] = (ParamFate.WRITTEN, "")
+            else:
+                ledger.params[pname] = (ParamFate.INIT, "no checkpoint tensor reached its weight_loader")
+        for pname in shared:
+            ledger.params.setdefault(pname, (ParamFate.SHARED, "from the target"))
+        return ledger
 
     @staticmethod
     def _share_target(model, target: TargetWeights, options: RunOptions) -> dict:

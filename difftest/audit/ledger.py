@@ -1,0 +1,52 @@
+"""Load-ledger findings: tensors the serving engine dropped, parameters it left at init."""
+
+from __future__ import annotations
+
+from difftest.audit.findings import Finding, Severity
+from difftest.engines.base import EngineRun, ParamFate, TensorFate
+
+CHECK = "ledger"
+
+
+def _is_head(name: str) -> bool:
+    return name.endswith("lm_head.weight")
+
+
+def _is_embed(name: str) -> bool:
+    return name.endswith("embed_tokens.weight")
+
+
+def check_ledgers(reference: EngineRun, candidate: EngineRun) -> list[Finding]:
+    out: list[Finding] = []
+    cand, ref = candidate.ledger, reference.ledger
+    dropped = cand.names(TensorFate.DROPPED)
+    if dropped:
+        out.append(Finding(CHECK, "keys_dropped", Severity.ERROR,
+                           f"{candidate.engine} silently dropped {len(dropped)} checkpoint tensors: {dropped[:6]}",
+                           {"dropped": dropped}))
+    at_init = cand.names(ParamFate.INIT)
+    head_init = [n for n in at_init if _is_head(n)]
+    if head_init:
+        ref_head = [n for n, (f, _) in ref.params.items() if _is_head(n) and not n.startswith("verifier_")]
+        how = ref.params[ref_head[0]][0].value if ref_head else "?"
+        out.append(Finding(CHECK, "lm_head_missing", Severity.ERROR,
+                           f"{candidate.engine} left {head_init[0]} at random init (no lm_head in the checkpoint); "
+                           f"{reference.engine}'s lm_head is {how}"))
+    embed_init = [n for n in at_init if _is_embed(n)]
+    if embed_init:
+        out.append(Finding(CHECK, "embedding_not_shared", Severity.ERROR,
+                           f"{candidate.engine} left {embed_init[0]} at init: the target's embedding was never shared"))
+    others = [n for n in at_init if not _is_head(n) and not _is_embed(n)]
+    if others:
+        out.append(Finding(CHECK, "param_left_at_init", Severity.ERROR,
+                           f"{candidate.engine} parameters left at init: {others[:6]}", {"params": others}))
+    shared_head = [n for n in cand.names(ParamFate.SHARED) if _is_head(n)]
+    if shared_head:
+        out.append(Finding(CHECK, "lm_head_from_target", Severity.ERROR,
+                           f"{candidate.engine} replaced its lm_head with the target's full-vocab head "
+                           f"({candidate.details.get('lm_head_path', 'set_embed_and_head')})"))
+    ref_dropped = ref.names(TensorFate.DROPPED)
+    if ref_dropped:
+        out.append(Finding(CHECK, "keys_dropped", Severity.ERROR,
+                           f"{reference.engine} has no parameter for {ref_dropped[:6]}", {"dropped": ref_dropped}))
+    return out
