@@ -69,6 +69,7 @@ def report(
     max_tokens: Optional[int] = typer.Option(None, help="use only the first whole requests up to this many tokens"),
     serve_without_aux_capture: bool = typer.Option(False, help="serving fault: feed SGLang the target's last state only"),
     serve_lm_head_from_target: bool = typer.Option(False, help="serving fault: set_embed_and_head with the target's head"),
+    audit_config: bool = typer.Option(False, help="also measure, field by field, whether SGLang honors the config (slower)"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="print only the verdict line"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="show engine logs and tracebacks"),
 ) -> None:
@@ -97,7 +98,7 @@ def report(
         serving = ServingSetup(aux_capture=not serve_without_aux_capture, lm_head_from_target=serve_lm_head_from_target)
         codes = []
         for ckpt, out_dir in jobs:
-            rep, paths = _report_one(ckpt, target, states, torch_dtype, device, out_dir, max_tokens, serving, extra)
+            rep, paths = _report_one(ckpt, target, states, torch_dtype, device, out_dir, max_tokens, serving, extra, audit_config)
             first = rep["first_divergence"]
             line = rep["verdict"] + (f": first divergence at {first['probe']} ({rep['diagnosis']['cause']})" if first else "")
             typer.echo(f"{line}  [{rep['checkpoint']['format']}: {ckpt}]" if len(jobs) > 1 else line)
@@ -115,12 +116,13 @@ def report(
     raise typer.Exit(max(codes))
 
 
-def _report_one(ckpt, target, states, dtype, device, out_dir, max_tokens, serving, extra):
+def _report_one(ckpt, target, states, dtype, device, out_dir, max_tokens, serving, extra, audit_config=False):
     from difftest import pipeline
     from difftest.report import build_report, write_reports
 
     inputs = pipeline.prepare(ckpt, target, states, max_tokens=max_tokens)
-    result = pipeline.run(inputs, dtype=dtype or inputs.checkpoint.stored_dtype(), device=device, serving=serving)
+    result = pipeline.run(inputs, dtype=dtype or inputs.checkpoint.stored_dtype(), device=device, serving=serving,
+                          audit_config=audit_config)
     rep = build_report(result, command=["difftest", *sys.argv[1:]], extra=extra)
     return rep, write_reports(rep, out_dir)
 

@@ -55,6 +55,8 @@ class RunResult:
     diagnosis: Diagnosis | None
     noise_floor: dict[str, dict[str, float]] | None
     timings_s: dict[str, float] = field(default_factory=dict)
+    findings: list = field(default_factory=list)
+    config_audit: list[dict] | None = None
 
 
 def resolve_target_path(ckpt: Checkpoint, target: str | Path | None) -> Path:
@@ -105,6 +107,7 @@ def run(
     reference: EngineAdapter | None = None,
     candidate: EngineAdapter | None = None,
     measure_noise: bool | None = None,
+    audit_config: bool = False,
 ) -> RunResult:
     reference = reference or reference_adapter()
     candidate = candidate or candidate_adapter()
@@ -118,8 +121,18 @@ def run(
         floor = noise_floor(ref_run, full)
     tol = tolerance_for(dtype)
     comparison = compare_runs(ref_run.probes, cand_run.probes, tol, cand_run.missing)
+    from difftest.audit.ledger import check_ledgers
+    from difftest.audit.vocab import check_vocab
+
+    findings = check_vocab(inputs.checkpoint) + check_ledgers(ref_run, cand_run)
+    rows = None
+    if audit_config:
+        from difftest.audit.config import audit_config as run_config_audit
+
+        rows, config_findings = run_config_audit(inputs.checkpoint, inputs.target, inputs.states, reference, candidate, options)
+        findings += config_findings
     return RunResult(
         inputs=inputs, options=options, tolerance=tol, reference=ref_run, candidate=cand_run,
         comparison=comparison, diagnosis=diagnose(comparison), noise_floor=floor,
-        timings_s={"engines": time.perf_counter() - t0},
+        timings_s={"engines": time.perf_counter() - t0}, findings=findings, config_audit=rows,
     )

@@ -63,11 +63,23 @@ def build_report(result: RunResult, command: list[str] | None = None, extra: dic
             "dtype": str(result.options.dtype).replace("torch.", ""),
         },
         "timings_s": result.timings_s,
+        "audit": {
+            "findings": [f.as_dict() for f in result.findings],
+            "ledgers": {"reference": result.reference.ledger.as_dict(), "candidate": result.candidate.ledger.as_dict()},
+            "vocab_mapping": _vocab_summary(ckpt),
+            "config": result.config_audit,
+        },
         "command": command or [],
     }
     if extra:
         report.update(extra)
     return json.loads(json.dumps(report, default=_jsonable))
+
+
+def _vocab_summary(ckpt) -> dict:
+    from difftest.audit.vocab import mapping_summary
+
+    return mapping_summary(ckpt.get("d2t") if ckpt.has("d2t") else None, ckpt.spec.draft_vocab_size)
 
 
 def _jsonable(o):
@@ -119,6 +131,24 @@ def render_markdown(report: dict) -> str:
         lines += ["Measured noise floor (reference engine at this dtype vs its own fp32 run):", "",
                   "| probe | rel_max | rel_diff |", "|---|---|---|"]
         lines += [f"| {k} | {_fmt(v['rel_max'])} | {_fmt(v['rel_diff'])} |" for k, v in report["noise_floor"].items()]
+        lines.append("")
+    audit = report.get("audit") or {}
+    if audit.get("findings"):
+        lines += ["## Audit findings", "", "| check | severity | cause | finding |", "|---|---|---|---|"]
+        lines += [f"| {f['check']} | {f['severity']} | {f['cause']} | {f['message']} |" for f in audit["findings"]]
+        lines.append("")
+    if audit.get("config"):
+        lines += ["## Config fields: does SGLang honor them? (measured)", "",
+                  "| field | value | verdict | speculators effect | sglang effect |", "|---|---|---|---|---|"]
+        for r in audit["config"]:
+            lines.append(f"| {r['field']} | `{r['value']}` | {r['verdict']} | {_fmt(r.get('speculators_effect', ''))} | {_fmt(r.get('sglang_effect', ''))} |")
+        lines.append("")
+    if audit.get("ledgers"):
+        lines += ["## Load ledger (checkpoint tensor -> fate per engine)", "", "| tensor | speculators | sglang |", "|---|---|---|"]
+        ref_t, cand_t = audit["ledgers"]["reference"]["tensors"], audit["ledgers"]["candidate"]["tensors"]
+        for name in sorted(set(ref_t) | set(cand_t)):
+            cell = lambda t: (f"{t['fate']} -> {', '.join(t['into'])}" if t.get("into") else t["fate"]) if t else "-"
+            lines.append(f"| {name} | {cell(ref_t.get(name))} | {cell(cand_t.get(name))} |")
         lines.append("")
     cand = report["engines"]["candidate"]["details"]
     if "load" in cand:
