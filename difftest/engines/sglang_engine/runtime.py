@@ -33,7 +33,8 @@ def ensure_runtime(device: str) -> kernel_standin.StandInLedger:
             # is_cpu() is cached at first import; without this RotaryEmbedding imports vllm.
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
         ledger = kernel_standin.install_if_needed()
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        # Always a fresh port: an inherited MASTER_PORT may belong to a parent process's store.
+        os.environ["MASTER_PORT"] = str(_free_port())
         from sglang.test.layer_ut_utils import init_single_process_dist
 
         init_single_process_dist(master_port=int(os.environ["MASTER_PORT"]), backend="gloo" if device == "cpu" else "nccl")
