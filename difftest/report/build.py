@@ -85,8 +85,6 @@ def _vocab_summary(ckpt) -> dict:
 def _jsonable(o):
     if isinstance(o, (set, tuple)):
         return list(o)
-    if isinstance(o, float):
-        return o
     return str(o)
 
 
