@@ -38,3 +38,21 @@ def test_committed_states_match_their_metadata(tiny):
     st = load_states(tiny / "states.safetensors")
     assert st.aux_layer_ids == (2, 4, 5)
     assert st.aux_hidden_states.shape == (st.num_tokens, 3 * 64)
+
+
+def test_trainer_subprocess_is_not_launched_as_distributed():
+    # Running the SGLang engine sets torchrun's LOCAL_RANK in this process; the trainer
+    # must not inherit it, or it asks for a CUDA device (the CI failure this pins).
+    import os
+    import subprocess
+    import sys
+
+    from difftest.engines.sglang_engine.runtime import ensure_runtime
+    from difftest.fixturegen.smollm2 import single_process_env
+
+    ensure_runtime("cpu")
+    assert "LOCAL_RANK" in os.environ
+    env = single_process_env()
+    probe = "import speculators.train.distributed as d; d.maybe_setup_distributed(); print(d._is_distributed)"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

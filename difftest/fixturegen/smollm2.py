@@ -194,6 +194,19 @@ def train_epochs() -> int:
     return int(os.environ.get(EPOCHS_ENV, DEFAULT_EPOCHS))
 
 
+# torchrun's variables. The trainer goes distributed (and asks for a CUDA device) whenever
+# LOCAL_RANK is set, and SGLang's world-of-one setup sets it in any process that ran the
+# SGLang engine first, so a fixture build after an SGLang run would inherit it.
+_LAUNCHER_VARS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "MASTER_ADDR", "MASTER_PORT")
+
+
+def single_process_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
 def train(p: Paths, log: Callable[[str], None]) -> dict:
     shutil.rmtree(p.train_out, ignore_errors=True)
     epochs = train_epochs()
@@ -212,7 +225,7 @@ def train(p: Paths, log: Callable[[str], None]) -> dict:
         "--total-seq-len", "2048", "--hidden-states-dtype", "float32",
     ]
     cmd = [sys.executable, "-m", "difftest.fixturegen.train_cpu", *argv]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = single_process_env()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     tail: list[str] = []
     for line in proc.stdout:
