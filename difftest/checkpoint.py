@@ -57,7 +57,7 @@ class DraftSpec:
     target_vocab_size: int
     draft_vocab_size: int
     target_hidden_size: int
-    aux_layer_ids: tuple[int, ...] | None
+    aux_layer_ids: tuple[int, ...] | None  # as stored, in the format's own convention (see convert.py)
     norm_before_residual: bool
     norm_before_fc: bool
     fc_norm: bool
@@ -72,7 +72,7 @@ class DraftSpec:
         return len(self.aux_layer_ids) if self.aux_layer_ids else 3
 
 
-def _rope(layer_cfg: dict) -> tuple[float, dict | None]:
+def rope_of(layer_cfg: dict) -> tuple[float, dict | None]:
     # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
     params = layer_cfg.get("rope_parameters") or {}
     theta = params.get("rope_theta", layer_cfg.get("rope_theta", 10000.0))
@@ -94,7 +94,7 @@ def spec_from_config(config: dict[str, Any], fmt: CheckpointFormat) -> DraftSpec
             aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         hidden = int(layer["hidden_size"])
         heads = int(layer["num_attention_heads"])
-        theta, scaling = _rope(layer)
+        theta, scaling = rope_of(layer)
         eagle_cfg = config.get("eagle_config") or {}
         return DraftSpec(
             hidden_size=hidden,

@@ -100,7 +100,9 @@ def report(
         for ckpt, out_dir in jobs:
             rep, paths = _report_one(ckpt, target, states, torch_dtype, device, out_dir, max_tokens, serving, extra, audit_config)
             first = rep["first_divergence"]
-            line = rep["verdict"] + (f": first divergence at {first['probe']} ({rep['diagnosis']['cause']})" if first else "")
+            diag = rep["diagnosis"]
+            line = rep["verdict"] + (f": first divergence at {first['probe']} ({diag['cause']})" if first else
+                                     f": audit found {diag['cause']} (probes agree)" if diag else "")
             typer.echo(f"{line}  [{rep['checkpoint']['format']}: {ckpt}]" if len(jobs) > 1 else line)
             if not quiet:
                 typer.echo(f"wrote {paths['json']} and {paths['md']}")

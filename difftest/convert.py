@@ -23,6 +23,14 @@ from difftest.checkpoint import LEGACY_ARCHITECTURE, Checkpoint, CheckpointForma
 # Draft-level EAGLE-3 flags that live at the top of a speculators config.
 DRAFT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 LEGACY_LAYER_PREFIX = "midlayer."
+# Aux layer ids mean different layers in the two formats. speculators' id k is HF
+# hidden_states[k] (its datagen indexes the tuple directly); the legacy format's ids are
+# what SGLang's set_eagle3_layers_to_capture receives, and it captures the input of layer
+# k + 1, which is hidden_states[k + 1]. Verbatim copying is the off-by-one the brief lists;
+# the capture audit measures the shift from SGLang's own code, and a test holds this to it.
+LEGACY_AUX_ID_SHIFT = 1
+# Bump when converted output changes, so cached conversions are rebuilt.
+CONVERTER_VERSION = 2
 SPECULATORS_LAYER_PREFIX = "layers.0."
 
 
@@ -50,6 +58,10 @@ def legacy_config(spec_config: dict[str, Any]) -> Conversion:
     hidden = layer["hidden_size"]
     out["target_hidden_size"] = spec_config.get("target_hidden_size") or hidden
     aux = spec_config.get("eagle_aux_hidden_state_layer_ids")
+    if aux is not None:
+        aux = [int(k) - LEGACY_AUX_ID_SHIFT for k in aux]
+        notes["eagle_aux_hidden_state_layer_ids"] = (f"shifted by -{LEGACY_AUX_ID_SHIFT} to SGLang's convention "
+                                                     "(SGLang captures hidden_states[id + 1])")
     out["eagle_config"] = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": aux}
     for flag in DRAFT_FLAGS:
         out[flag] = bool(spec_config.get(flag, False))
@@ -77,7 +89,8 @@ def speculators_config(legacy: dict[str, Any], verifier_path: str | None = None)
         "speculators_model_type": "eagle3",
         "draft_vocab_size": legacy["draft_vocab_size"],
         "target_hidden_size": None if target_hidden in (None, hidden) else target_hidden,
-        "eagle_aux_hidden_state_layer_ids": eagle.get("eagle_aux_hidden_state_layer_ids"),
+        "eagle_aux_hidden_state_layer_ids": None if eagle.get("eagle_aux_hidden_state_layer_ids") is None else
+            [int(k) + LEGACY_AUX_ID_SHIFT for k in eagle["eagle_aux_hidden_state_layer_ids"]],
         **{flag: bool(legacy.get(flag, eagle.get(flag, False))) for flag in DRAFT_FLAGS},
         "embed_requires_grad": False,
         "transformer_layer_config": layer,

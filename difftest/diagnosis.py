@@ -1,102 +1,147 @@
 """Signature -> named root cause. The rules are data; the matcher is a few lines.
 
-A signature is the first divergent probe, its status, and words in its detail. Rules
-are tried in order; the first that matches names the cause. Each rule carries the
-explanation a user reads and a hint that says what to change.
+A signature is the audit's error findings plus the first divergent probe (its status and
+words in its detail). Rules are tried in order, most specific first; the first that
+matches names the cause. A rule that needs a finding is what turns "logits differ" into
+"lm_head left at random init". Each rule carries the explanation a user reads and a hint
+that says what to change.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from difftest.audit.findings import Finding, Severity
 from difftest.compare import Comparison, Status
+
+ANY_DIVERGENCE = (Status.FAIL, Status.MISSING, Status.SHAPE)
 
 
 @dataclass(frozen=True)
 class Rule:
     cause: str
-    probes: tuple[str, ...]  # first divergence at one of these
-    statuses: tuple[Status, ...] = (Status.FAIL, Status.MISSING, Status.SHAPE)
+    # first divergence at one of these; empty: the rule does not look at the probes
+    probes: tuple[str, ...] = ()
+    statuses: tuple[Status, ...] = ANY_DIVERGENCE
     detail_contains: str = ""
+    # an error finding with one of these causes must be present; empty: none needed
+    findings: tuple[str, ...] = ()
     explanation: str = ""
     fix: str = ""
 
+    def matches(self, first, errors: set[str]) -> bool:
+        if self.findings and not errors.intersection(self.findings):
+            return False
+        if not self.probes:
+            return bool(self.findings)
+        return (first is not None and first.probe in self.probes and first.status in self.statuses
+                and self.detail_contains in first.detail)
+
+
+D2T_FIX = "Store d2t as offsets, target = draft + d2t[draft], with t2d the boolean mask of the same ids; rebuild both from the training vocab mapping."
 
 RULES: tuple[Rule, ...] = (
-    Rule(
-        cause="aux_capture_off_fc_skipped",
-        probes=("fc.input", "fc.output"),
-        statuses=(Status.MISSING, Status.SHAPE),
-        explanation=(
-            "The serving draft received a hidden state as wide as its embedding, so SGLang's check "
-            "`hidden_states.shape[-1] != embeds.shape[-1]` was false and the fc fusion of the aux layers "
-            "was skipped. This happens when the target is not set up to capture EAGLE-3 aux hidden states "
-            "and hands the draft its single last-layer state instead of the concatenation."
-        ),
-        fix=(
-            "Serve the target with aux capture on: the target model class must implement "
-            "set_eagle3_layers_to_capture and the draft config must carry eagle_config."
-            "eagle_aux_hidden_state_layer_ids; check that the hidden states reaching the draft are "
-            "num_aux x target_hidden wide."
-        ),
-    ),
-    Rule(
-        cause="embedding_precision",
-        probes=("embed",),
-        detail_contains="within low-precision rounding",
-        explanation=(
-            "The embeddings differ only by rounding: the checkpoint carries a low-precision copy of the target's "
-            "embedding, which speculators uses, while SGLang's worker replaces it with the target's own (set_embed) "
-            "at the run dtype. At the checkpoint's own dtype the two are identical."
-        ),
-        fix="Compare at the checkpoint's dtype (--dtype auto, the default), or ship embed_tokens at the target's precision.",
-    ),
-    Rule(
-        cause="embedding_not_shared",
-        probes=("embed",),
-        explanation="The draft's token embedding differs from the target's: the serving draft did not receive the target's embedding.",
-        fix="Share the target embedding with the draft (set_embed); check target_hidden_size equals hidden_size, or ship embed_tokens in the checkpoint.",
-    ),
-    Rule(
-        cause="norm_before_fc_not_applied",
-        probes=("fc.input",),
-        explanation="The aux states entering fc differ: one engine normalizes them first (norm_before_fc / fc_norm) and the other does not.",
-        fix="Carry norm_before_fc / fc_norm into the serving config (SGLang reads eagle_config.norm_before_fc and top-level fc_norm).",
-    ),
-    Rule(
-        cause="norm_before_residual_ignored",
-        probes=("layer0.post_attn_residual",),
-        explanation=(
-            "The residual stream after attention differs while attention itself agrees: the draft was trained "
-            "with norm_before_residual=true (the residual is the normed hidden state), and the serving engine "
-            "adds the un-normed hidden state."
-        ),
-        fix="Train with norm_before_residual=false for SGLang, or use a serving build that honors norm_before_residual.",
-    ),
-    Rule(
-        cause="lm_head_mismatch",
-        probes=("logits",),
-        explanation=(
-            "Everything up to the final norm agrees, but the logits do not: the serving draft multiplies by a "
-            "different lm_head. Either the checkpoint's lm_head was not loaded (left at random init), or the "
-            "worker replaced it with the target's full-vocab head (set_embed_and_head, taken when "
-            "draft_vocab_size is missing from the config)."
-        ),
-        fix="Ship lm_head.weight in the checkpoint and set draft_vocab_size in the serving config so the worker takes set_embed, not set_embed_and_head.",
-    ),
-    Rule(
-        cause="vocab_mapping_mismatch",
-        probes=("target_token",),
-        explanation="Draft tokens agree but their target ids do not: the engines read d2t differently (offsets vs absolute ids).",
-        fix="Store d2t as offsets (target = draft + d2t[draft]), as speculators and SGLang both expect.",
-    ),
-    Rule(
-        cause="decoder_math_divergence",
-        probes=("layer0.embed_norm", "layer0.hidden_norm", "layer0.attn_output", "layer0.mlp_output", "layer0.output", "final_norm"),
-        explanation="The decoder layer computes differently in the two engines from this probe on, with identical inputs.",
-        fix="Compare the config fields that shape this sub-block (rope, eps, heads, head_dim, sliding window) between the checkpoint and the serving config.",
-    ),
+    Rule("keys_dropped", findings=("keys_dropped",),
+         explanation=("The serving engine skipped checkpoint tensors whose names it does not know, without a word "
+                      "(SGLang's load_weights ignores unknown names), so the parameters they were meant for stayed at "
+                      "random init. Typical: decoder weights under `layers.0.*` where SGLang expects `midlayer.*`."),
+         fix="Rename the checkpoint's keys to the serving format (speculators `layers.0.` -> SGLang `midlayer.`), e.g. with difftest's converter."),
+    Rule("lm_head_missing", findings=("lm_head_missing",),
+         explanation=("The checkpoint has no lm_head, so the serving draft's head stayed at random init while speculators "
+                      "fills its head from the verifier's rows. Every draft token is then noise."),
+         fix="Ship lm_head.weight (draft_vocab_size x hidden) in the checkpoint."),
+    Rule("lm_head_replaced_by_target", findings=("lm_head_from_target",),
+         explanation=("The serving worker replaced the draft's own draft-vocab head with the target's full-vocab head "
+                      "(set_embed_and_head instead of set_embed), so the draft scores target ids it was never trained on "
+                      "and its argmax is read through d2t as if it were a draft id."),
+         fix="Set draft_vocab_size in the serving config and ship lm_head.weight, so the worker takes set_embed."),
+    Rule("embedding_not_shared", findings=("embedding_not_shared",),
+         explanation="The serving draft kept its own randomly initialized embedding: the target's was never shared with it.",
+         fix="Share the target embedding (set_embed needs target_hidden_size == hidden_size), or ship embed_tokens in the checkpoint."),
+    Rule("aux_capture_off_fc_skipped", probes=("fc.input", "fc.output"), statuses=(Status.MISSING, Status.SHAPE),
+         explanation=(
+             "The serving draft received a hidden state as wide as its embedding, so SGLang's check "
+             "`hidden_states.shape[-1] != embeds.shape[-1]` was false and the fc fusion of the aux layers "
+             "was skipped. This happens when the target is not set up to capture EAGLE-3 aux hidden states "
+             "and hands the draft its single last-layer state instead of the concatenation."),
+         fix=(
+             "Serve the target with aux capture on: the target model class must implement "
+             "set_eagle3_layers_to_capture and the draft config must carry eagle_config."
+             "eagle_aux_hidden_state_layer_ids; check that the hidden states reaching the draft are "
+             "num_aux x target_hidden wide.")),
+    Rule("aux_capture_off_fc_skipped", findings=("aux_capture_off", "aux_capture_unsupported"),
+         explanation=("The serving target would not capture EAGLE-3 aux hidden states for this draft, so the draft gets "
+                      "one layer instead of the concatenation and SGLang's shape check skips fc."),
+         fix="Use a target model class with set_eagle3_layers_to_capture and keep eagle_config.use_aux_hidden_state true."),
+    Rule("aux_layers_off_by_one", findings=("aux_layers_off_by_one",),
+         explanation=("The server would capture each aux layer one off from the layers the draft was trained on. "
+                      "speculators' id k is HF hidden_states[k]; SGLang's set_eagle3_layers_to_capture adds 1 to explicit "
+                      "ids. The draft then reads states it has never seen and no error is raised."),
+         fix="Write eagle_config.eagle_aux_hidden_state_layer_ids in SGLang's convention: speculators' ids minus 1 (difftest's converter does this)."),
+    Rule("aux_layers_wrong_order", findings=("aux_layers_wrong_order",),
+         explanation=("The server concatenates the aux layers in layer order; the draft was trained on them in another "
+                      "order, so fc mixes the wrong slices."),
+         fix="Capture training data with the aux layer ids ascending, or retrain; the serving engine always concatenates in layer order."),
+    Rule("aux_layers_mismatch", findings=("aux_layers_mismatch", "states_not_from_this_config"),
+         explanation="The aux layers the server would capture are not the ones the draft's training data was captured at.",
+         fix="Make eagle_aux_hidden_state_layer_ids in the serving config name the layers the training data used."),
+    Rule("d2t_convention", findings=("d2t_absolute_ids", "d2t_arange_subtracted", "d2t_all_zero", "d2t_t2d_disagree",
+                                     "d2t_out_of_range", "d2t_not_unique", "d2t_bad_length", "d2t_bad_dtype"),
+         explanation=("d2t does not hold offsets onto the ids the draft was trained on. Both engines compute "
+                      "target = draft + d2t[draft], so absolute ids, or offsets with arange subtracted (the 'fix' "
+                      "that breaks them), send every draft token to the wrong target id and nothing is ever accepted."),
+         fix=D2T_FIX),
+    Rule("d2t_missing", findings=("d2t_missing", "t2d_bad_shape", "t2d_bad_count"),
+         explanation="The draft vocab is smaller than the target's but there is no usable mapping, so draft ids are read as target ids.",
+         fix=D2T_FIX),
+    Rule("tied_embeddings", findings=("tied_embeddings",),
+         explanation=("tie_word_embeddings is set in the serving config, so SGLang uses the (target-vocab) embedding as "
+                      "the draft's head instead of its own draft-vocab lm_head."),
+         fix="Set tie_word_embeddings to false in the serving config: an EAGLE-3 draft's lm_head is its own."),
+    Rule("draft_vocab_not_carried", findings=("draft_vocab_not_carried",),
+         explanation="draft_vocab_size did not reach the serving config, so the serving draft is built with the wrong head size.",
+         fix="Carry draft_vocab_size into the serving config."),
+    Rule("rope_mismatch", findings=("rope_mismatch",),
+         explanation="The serving config's RoPE (theta or scaling) differs from training's, so attention sees different positions.",
+         fix="Carry rope_theta / rope_scaling (transformers 5: rope_parameters) into the serving config unchanged."),
+    Rule("norm_before_residual_ignored", probes=("layer0.post_attn_residual",),
+         explanation=(
+             "The residual stream after attention differs while attention itself agrees: the draft was trained "
+             "with norm_before_residual=true (the residual is the normed hidden state), and the serving engine "
+             "adds the un-normed hidden state."),
+         fix="Train with norm_before_residual=false for SGLang, or use a serving build that honors norm_before_residual."),
+    Rule("config_flag_not_carried", findings=("config_flag_not_carried", "sliding_window_ignored", "norm_before_residual_ignored"),
+         explanation="A config field that changes the draft's forward did not reach, or is not honored by, the serving engine.",
+         fix="Carry the field named in the audit findings into the serving config (and check the serving engine reads it)."),
+    Rule("embedding_precision", probes=("embed",), detail_contains="within low-precision rounding",
+         explanation=(
+             "The embeddings differ only by rounding: the checkpoint carries a low-precision copy of the target's "
+             "embedding, which speculators uses, while SGLang's worker replaces it with the target's own (set_embed) "
+             "at the run dtype. At the checkpoint's own dtype the two are identical."),
+         fix="Compare at the checkpoint's dtype (--dtype auto, the default), or ship embed_tokens at the target's precision."),
+    Rule("embedding_not_shared", probes=("embed",),
+         explanation="The draft's token embedding differs from the target's: the serving draft did not receive the target's embedding.",
+         fix="Share the target embedding with the draft (set_embed); check target_hidden_size equals hidden_size, or ship embed_tokens in the checkpoint."),
+    Rule("norm_before_fc_not_applied", probes=("fc.input",),
+         explanation="The aux states entering fc differ: one engine normalizes them first (norm_before_fc / fc_norm) and the other does not.",
+         fix="Carry norm_before_fc / fc_norm into the serving config (SGLang reads eagle_config.norm_before_fc and top-level fc_norm)."),
+    Rule("lm_head_mismatch", probes=("logits",),
+         explanation=(
+             "Everything up to the final norm agrees, but the logits do not: the serving draft multiplies by a "
+             "different lm_head."),
+         fix="Ship lm_head.weight in the checkpoint and set draft_vocab_size in the serving config so the worker takes set_embed, not set_embed_and_head."),
+    Rule("vocab_mapping_mismatch", probes=("target_token",),
+         explanation="Draft tokens agree but their target ids do not: the engines read d2t differently (offsets vs absolute ids).",
+         fix="Store d2t as offsets (target = draft + d2t[draft]), as speculators and SGLang both expect."),
+    Rule("decoder_math_divergence",
+         probes=("layer0.embed_norm", "layer0.hidden_norm", "layer0.attn_output", "layer0.mlp_output", "layer0.output", "final_norm"),
+         explanation="The decoder layer computes differently in the two engines from this probe on, with identical inputs.",
+         fix="Compare the config fields that shape this sub-block (rope, eps, heads, head_dim, sliding window) between the checkpoint and the serving config."),
 )
+
+CAUSES: dict[str, Rule] = {}
+for _rule in RULES:
+    CAUSES.setdefault(_rule.cause, _rule)
 
 
 @dataclass
@@ -104,22 +149,31 @@ class Diagnosis:
     cause: str
     explanation: str
     fix: str
-    probe: str | None
+    probe: str | None  # the first divergent probe; None when only the audit found it
+    evidence: list[str] = field(default_factory=list)  # the findings behind the cause
+    also: list[str] = field(default_factory=list)  # other error findings' causes
 
     def as_dict(self) -> dict:
-        return {"cause": self.cause, "probe": self.probe, "explanation": self.explanation, "fix": self.fix}
+        return {"cause": self.cause, "probe": self.probe, "explanation": self.explanation, "fix": self.fix,
+                "evidence": self.evidence, "also": self.also}
 
 
-def diagnose(comparison: Comparison) -> Diagnosis | None:
+def diagnose(comparison: Comparison, findings: list[Finding] = ()) -> Diagnosis | None:
     first = comparison.first_divergence
-    if first is None:
+    errors = [f for f in findings if f.severity is Severity.ERROR]
+    causes = {f.cause for f in errors}
+    if first is None and not errors:
         return None
+    probe = first.probe if first else None
     for rule in RULES:
-        if first.probe in rule.probes and first.status in rule.statuses and rule.detail_contains in first.detail:
-            return Diagnosis(rule.cause, rule.explanation, rule.fix, first.probe)
+        if rule.matches(first, causes):
+            evidence = [f.message for f in errors if f.cause in rule.findings]
+            also = sorted({f.cause for f in errors if f.cause not in rule.findings})
+            return Diagnosis(rule.cause, rule.explanation, rule.fix, probe, evidence, also)
+    where = f"at {first.probe} ({first.status.value})" if first else "in the audit"
     return Diagnosis(
         "unexplained_divergence",
-        f"The engines first disagree at {first.probe} ({first.status.value}); no known signature matches.",
-        "Read the per-probe table from this probe on and the load ledger.",
-        first.probe,
+        f"The engines first disagree {where}; no known signature matches.",
+        "Read the per-probe table from this probe on, the audit findings and the load ledger.",
+        probe, [f.message for f in errors], sorted(causes),
     )

@@ -57,6 +57,8 @@ class RunResult:
     timings_s: dict[str, float] = field(default_factory=dict)
     findings: list = field(default_factory=list)
     config_audit: list[dict] | None = None
+    conversion: list[dict] = field(default_factory=list)
+    capture: dict = field(default_factory=dict)
 
 
 def resolve_target_path(ckpt: Checkpoint, target: str | Path | None) -> Path:
@@ -121,10 +123,7 @@ def run(
         floor = noise_floor(ref_run, full)
     tol = tolerance_for(dtype)
     comparison = compare_runs(ref_run.probes, cand_run.probes, tol, cand_run.missing)
-    from difftest.audit.ledger import check_ledgers
-    from difftest.audit.vocab import check_vocab
-
-    findings = check_vocab(inputs.checkpoint) + check_ledgers(ref_run, cand_run)
+    findings, conversion_rows, capture = audit(inputs, reference, candidate, ref_run, cand_run, options)
     rows = None
     if audit_config:
         from difftest.audit.config import audit_config as run_config_audit
@@ -133,6 +132,26 @@ def run(
         findings += config_findings
     return RunResult(
         inputs=inputs, options=options, tolerance=tol, reference=ref_run, candidate=cand_run,
-        comparison=comparison, diagnosis=diagnose(comparison), noise_floor=floor,
+        comparison=comparison, diagnosis=diagnose(comparison, findings), noise_floor=floor,
         timings_s={"engines": time.perf_counter() - t0}, findings=findings, config_audit=rows,
+        conversion=conversion_rows, capture=capture,
     )
+
+
+def audit(inputs: RunInputs, reference: EngineAdapter, candidate: EngineAdapter, ref_run: EngineRun,
+          cand_run: EngineRun, options: RunOptions) -> tuple[list, list[dict], dict]:
+    """The checks settled before the first matmul: ledgers, vocab mapping, config translation, capture."""
+    from difftest.audit.capture import check_capture
+    from difftest.audit.conversion import check_conversion
+    from difftest.audit.ledger import check_ledgers
+    from difftest.audit.vocab import check_vocab
+
+    ckpt = inputs.checkpoint
+    findings = check_ledgers(ref_run, cand_run) + check_vocab(ckpt)
+    conversion_rows, conversion_findings = check_conversion(ckpt, cand_run.details.get("served_config", ckpt.config))
+    serving_plan = candidate.capture_plan(ckpt, inputs.target, options)
+    training_plan = reference.capture_plan(ckpt, inputs.target, RunOptions(dtype=options.dtype, device=options.device))
+    findings += conversion_findings + check_capture(serving_plan, training_plan, inputs.states)
+    capture = {"serving": serving_plan.as_dict(), "training": training_plan.as_dict(),
+               "states_hf_ids": list(inputs.states.aux_layer_ids)}
+    return findings, conversion_rows, capture

@@ -47,3 +47,93 @@ def test_ledger_flags_a_dropped_decoder_key_and_param_left_at_init(tiny_copy, ti
     result = run(inputs)
     found = causes(check_ledgers(result.reference, result.candidate))
     assert "keys_dropped" in found and "param_left_at_init" in found
+
+
+def edit_config(ckpt_dir, edit):
+    f = ckpt_dir / "config.json"
+    cfg = json.loads(f.read_text())
+    edit(cfg)
+    f.write_text(json.dumps(cfg))
+    return load_checkpoint(ckpt_dir)
+
+
+def capture_findings(ckpt, tiny, serving=None, states=None):
+    from difftest.audit.capture import check_capture
+    from difftest.engines.base import RunOptions, ServingSetup
+    from difftest.pipeline import candidate_adapter, reference_adapter
+    from difftest.states import load_states
+    from difftest.target import load_target
+
+    target = load_target(tiny / "target")
+    opts = RunOptions(serving=serving or ServingSetup())
+    return check_capture(candidate_adapter().capture_plan(ckpt, target, opts),
+                         reference_adapter().capture_plan(ckpt, target, opts),
+                         states or load_states(tiny / "states.safetensors"))
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "legacy"])
+def test_capture_check_is_quiet_on_the_clean_fixture(tiny, fmt):
+    # Holds difftest's converter to SGLang's own +1 convention, measured from its code.
+    assert causes(capture_findings(load_checkpoint(tiny / fmt), tiny)) == set()
+
+
+def _shift_legacy_ids(delta):
+    return lambda c: c["eagle_config"].__setitem__("eagle_aux_hidden_state_layer_ids",
+                                                   [k + delta for k in c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]])
+
+
+@pytest.mark.parametrize("edit,cause", [
+    (_shift_legacy_ids(+1), "aux_layers_off_by_one"),  # speculators' ids copied verbatim
+    (lambda c: c["eagle_config"]["eagle_aux_hidden_state_layer_ids"].reverse(), "states_not_from_this_config"),
+    (lambda c: c["eagle_config"].__setitem__("eagle_aux_hidden_state_layer_ids", [0, 3, 6]), "aux_layers_mismatch"),
+    (lambda c: c["eagle_config"].__setitem__("use_aux_hidden_state", False), "aux_capture_off"),
+])
+def test_capture_check_names_what_the_server_would_capture(tiny_copy, tiny, edit, cause):
+    ckpt = edit_config(tiny_copy / "legacy", edit)
+    assert cause in causes(capture_findings(ckpt, tiny))
+
+
+def test_capture_check_sees_a_target_not_set_up_for_capture(tiny):
+    from difftest.engines.base import ServingSetup
+
+    found = capture_findings(load_checkpoint(tiny / "speculators"), tiny, ServingSetup(aux_capture=False))
+    assert causes(found) == {"aux_capture_off"}
+
+
+def test_conversion_check_is_quiet_on_the_converter_output(tiny):
+    from difftest.audit.conversion import check_conversion
+    from difftest.convert import legacy_config
+
+    ckpt = load_checkpoint(tiny / "speculators")
+    rows, found = check_conversion(ckpt, legacy_config(ckpt.config).config)
+    assert found == [] and all(r["carried"] for r in rows)
+
+
+@pytest.mark.parametrize("edit,cause", [
+    (lambda c: c.pop("norm_before_fc"), "config_flag_not_carried"),
+    (lambda c: c.__setitem__("rope_theta", 1e6) or c.pop("rope_parameters", None), "rope_mismatch"),
+    (lambda c: c.__setitem__("tie_word_embeddings", True), "tied_embeddings"),
+    (lambda c: c.pop("draft_vocab_size"), "draft_vocab_not_carried"),
+])
+def test_conversion_check_names_a_field_lost_on_the_way_to_serving(tiny, edit, cause):
+    from difftest.audit.conversion import check_conversion
+    from difftest.convert import legacy_config
+
+    ckpt = load_checkpoint(tiny / "speculators")
+    served = legacy_config(ckpt.config).config
+    edit(served)
+    assert cause in causes(check_conversion(ckpt, served)[1])
+
+
+def test_capture_check_sees_training_order_the_server_cannot_reproduce(tiny_copy, tiny):
+    # Trained on the aux layers in descending order: the server concatenates in layer order.
+    from dataclasses import replace
+
+    from difftest.states import load_states
+
+    st = load_states(tiny / "states.safetensors")
+    H = st.verifier_last_hidden_states.shape[-1]
+    reversed_states = replace(st, aux_layer_ids=st.aux_layer_ids[::-1],
+                              aux_hidden_states=torch.cat(st.aux_hidden_states.split(H, dim=-1)[::-1], dim=-1))
+    ckpt = edit_config(tiny_copy / "legacy", lambda c: c["eagle_config"]["eagle_aux_hidden_state_layer_ids"].reverse())
+    assert causes(capture_findings(ckpt, tiny, states=reversed_states)) == {"aux_layers_wrong_order"}

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from difftest.compare import Status
-from difftest.engines.base import ServingSetup
+from difftest.engines.base import ParamFate, ServingSetup, TensorFate
 from difftest.pipeline import prepare, run
 from difftest.probes import PROBE_NAMES
 from difftest.tolerances import TOLERANCES
@@ -60,7 +60,7 @@ def test_target_head_diverges_at_logits(tiny_inputs):
     result = run(tiny_inputs, serving=ServingSetup(lm_head_from_target=True))
     first = result.comparison.first_divergence
     assert first.probe == "logits"
-    assert result.diagnosis.cause == "lm_head_mismatch"
+    assert result.diagnosis.cause == "lm_head_replaced_by_target"
     assert result.candidate.details["lm_head_path"] == "set_embed_and_head"
     before = [r for r in result.comparison.results if PROBE_NAMES.index(r.probe) < PROBE_NAMES.index("logits")]
     assert all(r.ok for r in before)
@@ -68,8 +68,8 @@ def test_target_head_diverges_at_logits(tiny_inputs):
 
 def test_sglang_ledger_sees_every_tensor(tiny_inputs):
     result = run(tiny_inputs)
-    load = result.candidate.details["load"]
-    names = set(tiny_inputs.checkpoint.tensor_names())
-    assert set(load["consumed"]) | {"d2t", "t2d"} >= names - set(load["dropped"])
-    assert load["dropped"] == [] and load["params_left_at_init"] == []
-    assert load["shared_from_target"] == ["model.embed_tokens.weight"]
+    ledger = result.candidate.ledger
+    assert set(ledger.tensors) == set(tiny_inputs.checkpoint.tensor_names())
+    assert ledger.names(TensorFate.DROPPED) == [] and ledger.names(ParamFate.INIT) == []
+    assert ledger.names(ParamFate.SHARED) == ["model.embed_tokens.weight"]
+    assert ledger.tensors["d2t"][0] is TensorFate.IGNORED and ledger.tensors["d2t"][1] == ["hot_token_id"]

@@ -18,6 +18,9 @@ from difftest.states import CapturedStates
 from difftest.target import TargetWeights
 
 
+DROP = "<dropped>"  # a config_edits value: remove the field
+
+
 @dataclass(frozen=True)
 class ServingSetup:
     """How the serving side is wired around the draft. Defaults are a correct deployment.
@@ -33,6 +36,9 @@ class ServingSetup:
     lm_head_from_target: bool = False
     # False: the draft keeps its own (randomly initialized) embedding.
     share_target_embed: bool = True
+    # Edits to the config the serving engine reads, as (dotted field, value or DROP): what a
+    # converter or a hand-written serving config gets wrong.
+    config_edits: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,8 +93,31 @@ class EngineRun:
     ledger: LoadLedger = field(default_factory=LoadLedger)
 
 
+@dataclass
+class CapturePlan:
+    """Which target hidden states an engine feeds (or was trained on) for this draft.
+
+    `hf_layer_ids` are in one neutral convention, HF's: id k is `hidden_states[k]` of the
+    target's HF forward (0 = embedding output, n = last layer before the final norm),
+    listed in the order the engine concatenates them. Each adapter translates its own
+    engine's convention into this one.
+    """
+
+    engine: str
+    hf_layer_ids: list[int] | None  # None: the engine captures no aux layers
+    supports_aux_capture: bool = True
+    target_class: str = ""
+    configured_ids: list[int] | None = None  # what the engine's config resolution produced
+    steps: list[str] = field(default_factory=list)  # how the ids were resolved, in the engine's own words
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
 class EngineAdapter(Protocol):
     name: str
+
+    def capture_plan(self, checkpoint: Checkpoint, target: TargetWeights, options: RunOptions) -> CapturePlan: ...
 
     def run(
         self,

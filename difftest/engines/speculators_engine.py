@@ -9,7 +9,9 @@ One test-time-training step is the training-time forward that serving's one EXTE
 
 from __future__ import annotations
 
+import json
 import tempfile
+import warnings
 import time
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import torch
 
 from difftest.checkpoint import Checkpoint, CheckpointFormat
 from difftest.convert import legacy_to_speculators
-from difftest.engines.base import EngineRun, LoadLedger, ParamFate, RunOptions, TensorFate
+from difftest.engines.base import CapturePlan, EngineRun, LoadLedger, ParamFate, RunOptions, TensorFate
 from difftest.engines.hooks import ProbeRecorder
 from difftest.states import CapturedStates
 from difftest.target import TargetWeights
@@ -29,6 +31,24 @@ ATTN_IMPL = {"cpu": "sdpa", "cuda": "simple_flex_attention"}
 
 class SpeculatorsAdapter:
     name = "speculators"
+
+    def capture_plan(self, checkpoint: Checkpoint, target: TargetWeights, options: RunOptions) -> CapturePlan:
+        """The layers speculators' datagen captures for this draft: its own resolution of the
+        configured ids against the verifier, indexed straight into HF hidden_states."""
+        from speculators.models.utils import resolve_target_layer_ids
+
+        with tempfile.TemporaryDirectory(prefix="difftest-spec-") as tmp:
+            config = checkpoint.config
+            if checkpoint.format is CheckpointFormat.LEGACY:
+                legacy_to_speculators(checkpoint, Path(tmp) / "s", verifier_path=str(target.path))
+                config = json.loads((Path(tmp) / "s" / "config.json").read_text())
+        configured = config.get("eagle_aux_hidden_state_layer_ids")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its "using default ids" warning; the plan records it
+            ids = resolve_target_layer_ids(configured, str(target.path))
+        return CapturePlan(self.name, list(ids), True, "transformers " + ",".join(target.config.get("architectures") or []),
+                           configured, [f"resolve_target_layer_ids({configured}) -> {list(ids)}",
+                                        "datagen reads hidden_states[id] for each id (no shift)"])
 
     def run(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, options: RunOptions) -> EngineRun:
         timings: dict[str, float] = {}

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from difftest.convert import CONVERTER_VERSION
 from difftest.errors import InputError
 from difftest.fixturegen.cache import Step, cache_root
 
@@ -335,6 +336,7 @@ def export(p: Paths) -> dict:
     return {"from": str(src.relative_to(p.root)), "report_tokens": states.num_tokens, **accuracy}
 
 
+
 def build(progress=None) -> Paths:
     """Build every missing step, in order; report progress through `progress(step, done, total, note)`."""
     p = Paths(cache_root() / "smollm2")
@@ -347,7 +349,8 @@ def build(progress=None) -> Paths:
         ("capture", [p.data / "hidden_states", p.data / "state.json"], lambda: capture(p, lambda a, b: say("capture", a, b))),
         ("vocab", [p.data / f"d2t-{DRAFT_VOCAB}.npy", p.data / f"t2d-{DRAFT_VOCAB}.npy"], lambda: vocab(p)),
         (f"train-e{epochs}", [p.train_out], lambda: train(p, lambda line: say(f"train-e{epochs}", 0, 0, line))),
-        (f"export-e{epochs}", [p.draft, p.legacy, p.states, p.training_json], lambda: export(p)),
+        # The converter's version is in the step name: a converter fix must rebuild the legacy copy.
+        (f"export-e{epochs}-c{CONVERTER_VERSION}", [p.draft, p.legacy, p.states, p.training_json], lambda: export(p)),
     ]
     for name, outputs, fn in steps:
         step = Step(p.root, name, outputs)

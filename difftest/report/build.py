@@ -27,7 +27,9 @@ def _versions() -> dict[str, str]:
 
 
 def verdict_of(result: RunResult) -> str:
-    return "PARITY" if result.comparison.parity else "DIVERGED"
+    # An audit error is a divergence too: the serving draft would compute something else
+    # (other layers, other ids) even where these two runs, fed the same inputs, agree.
+    return "PARITY" if result.diagnosis is None else "DIVERGED"
 
 
 def build_report(result: RunResult, command: list[str] | None = None, extra: dict | None = None) -> dict:
@@ -68,6 +70,8 @@ def build_report(result: RunResult, command: list[str] | None = None, extra: dic
             "ledgers": {"reference": result.reference.ledger.as_dict(), "candidate": result.candidate.ledger.as_dict()},
             "vocab_mapping": _vocab_summary(ckpt),
             "config": result.config_audit,
+            "conversion": result.conversion,
+            "capture": result.capture,
         },
         "command": command or [],
     }
@@ -104,8 +108,12 @@ def render_markdown(report: dict) -> str:
     lines = [f"# difftest report: {report['verdict']}", ""]
     diag = report.get("diagnosis")
     if diag:
-        lines += [f"**Root cause:** `{diag['cause']}` (first divergence at `{diag['probe']}`)", "",
-                  diag["explanation"], "", f"**Fix:** {diag['fix']}", ""]
+        where = f"first divergence at `{diag['probe']}`" if diag["probe"] else "found by the audit; the probes agree"
+        lines += [f"**Root cause:** `{diag['cause']}` ({where})", "", diag["explanation"], ""]
+        lines += [f"- evidence: {e}" for e in diag.get("evidence") or []]
+        if diag.get("also"):
+            lines.append(f"- other audit errors: {', '.join(diag['also'])}")
+        lines += ["", f"**Fix:** {diag['fix']}", ""]
     else:
         lines += ["Every probe agrees within the "
                   f"{report['tolerance']['dtype']} tolerance.", ""]
@@ -135,6 +143,20 @@ def render_markdown(report: dict) -> str:
         lines += ["## Audit findings", "", "| check | severity | cause | finding |", "|---|---|---|---|"]
         lines += [f"| {f['check']} | {f['severity']} | {f['cause']} | {f['message']} |" for f in audit["findings"]]
         lines.append("")
+    if audit.get("capture"):
+        cap = audit["capture"]
+        lines += ["## Target capture (HF hidden_states ids)", "",
+                  f"- training data: {cap['states_hf_ids']}",
+                  f"- speculators resolves: {cap['training']['hf_layer_ids']}",
+                  f"- {cap['serving']['target_class']} would capture: {cap['serving']['hf_layer_ids']}"]
+        lines += [f"  - {step}" for step in cap["serving"]["steps"]]
+        lines.append("")
+    if audit.get("conversion"):
+        lines += ["## Config translation (training config -> serving config)", "",
+                  "| field | training | serving | carried |", "|---|---|---|---|"]
+        lines += [f"| {r['field']} | `{r['training']}` | `{r['serving']}` | {'yes' if r['carried'] else '**no**'} |"
+                  for r in audit["conversion"]]
+        lines.append("")
     if audit.get("config"):
         lines += ["## Config fields: does SGLang honor them? (measured)", "",
                   "| field | value | verdict | speculators effect | sglang effect |", "|---|---|---|---|---|"]
@@ -149,13 +171,6 @@ def render_markdown(report: dict) -> str:
             lines.append(f"| {name} | {cell(ref_t.get(name))} | {cell(cand_t.get(name))} |")
         lines.append("")
     cand = report["engines"]["candidate"]["details"]
-    if "load" in cand:
-        load = cand["load"]
-        lines += ["## SGLang load", "",
-                  f"- dropped checkpoint tensors: {load['dropped'] or 'none'}",
-                  f"- parameters left at init: {load['params_left_at_init'] or 'none'}",
-                  f"- shared from target: {load['shared_from_target'] or 'none'} (via {cand.get('lm_head_path')})",
-                  f"- d2t: {load['d2t']}", ""]
     if cand.get("conversion_notes"):
         lines += ["## Config conversion", ""] + [f"- `{k}`: {v}" for k, v in cand["conversion_notes"].items()] + [""]
     sk = cand.get("sgl_kernel_standin")

@@ -13,6 +13,7 @@ for all positions come from SGLang's code rather than from a copy of its lm_head
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from types import SimpleNamespace
 
@@ -20,7 +21,7 @@ import torch
 
 from difftest.checkpoint import Checkpoint, CheckpointFormat
 from difftest.convert import legacy_config, legacy_name
-from difftest.engines.base import EngineRun, LoadLedger, ParamFate, RunOptions, TensorFate
+from difftest.engines.base import DROP, CapturePlan, EngineRun, LoadLedger, ParamFate, RunOptions, TensorFate
 from difftest.engines.hooks import ProbeRecorder
 from difftest.engines.sglang_engine.runtime import ensure_runtime
 from difftest.states import CapturedStates
@@ -37,12 +38,29 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(prev)
 
 
-def serving_config(checkpoint: Checkpoint) -> tuple[dict, dict[str, str]]:
+def serving_config(checkpoint: Checkpoint, options: RunOptions | None = None) -> tuple[dict, dict[str, str]]:
     """The legacy/SGLang config for this checkpoint, plus notes on fields that didn't carry."""
     if checkpoint.format is CheckpointFormat.LEGACY:
-        return dict(checkpoint.config), {}
-    conv = legacy_config(checkpoint.config)
-    return conv.config, conv.notes
+        cfg, notes = copy.deepcopy(checkpoint.config), {}
+    else:
+        conv = legacy_config(checkpoint.config)
+        cfg, notes = conv.config, conv.notes
+    if options is not None:
+        for path, value in options.serving.config_edits:
+            _edit(cfg, path, value)
+            notes[path] = "serving setup: dropped" if value is DROP else f"serving setup: set to {value!r}"
+    return cfg, notes
+
+
+def _edit(cfg: dict, path: str, value) -> None:
+    node = cfg
+    *parents, leaf = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    if value is DROP:
+        node.pop(leaf, None)
+    else:
+        node[leaf] = value
 
 
 def serving_tensors(checkpoint: Checkpoint):
@@ -79,6 +97,66 @@ class _LoadRecorder:
 class SGLangAdapter:
     name = "sglang"
 
+    def capture_plan(self, checkpoint: Checkpoint, target: TargetWeights, options: RunOptions) -> CapturePlan:
+        """Which target layers a server would capture for this draft, from SGLang's own code:
+        its spec aux-hidden-state config resolution over ServerArgs/ModelConfig, its model
+        registry's class for the target, and that class's set_eagle3_layers_to_capture."""
+        ensure_runtime(options.device)
+        import json
+        import tempfile
+
+        import sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state as aux_resolution
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.model_loader.utils import get_model_architecture
+        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        steps: list[str] = []
+        with tempfile.TemporaryDirectory(prefix="difftest-sgl-") as draft_dir:
+            cfg, _ = serving_config(checkpoint, options)
+            with open(f"{draft_dir}/config.json", "w") as f:
+                json.dump(cfg, f)
+            args = ServerArgs(model_path=str(target.path), speculative_algorithm="EAGLE3",
+                              speculative_draft_model_path=draft_dir, device=options.device.split(":")[0])
+            target_config = ModelConfig.from_server_args(args)
+            # The resolver reads the draft path from the published server args; hand it this
+            # one directly rather than publishing a speculative config process-wide.
+            published = aux_resolution.get_spec
+            aux_resolution.get_spec = lambda: SimpleNamespace(speculative_draft_model_path=draft_dir,
+                                                              speculative_draft_model_revision=None)
+            try:
+                resolved = aux_resolution.resolve_spec_aux_hidden_state_config(
+                    server_args=args, model_config=target_config,
+                    spec_algorithm=SpeculativeAlgorithm.from_string("EAGLE3"), is_draft_worker=False)
+            finally:
+                aux_resolution.get_spec = published
+        ids = resolved.eagle_aux_hidden_state_layer_ids
+        steps.append(f"resolve_spec_aux_hidden_state_config: use_aux_hidden_state={resolved.eagle_use_aux_hidden_state}, "
+                     f"eagle_aux_hidden_state_layer_ids={ids}")
+        model_cls, arch = get_model_architecture(target_config)
+        supports = hasattr(model_cls, "set_eagle3_layers_to_capture")
+        plan = CapturePlan(self.name, None, supports, f"sglang {model_cls.__name__}", ids, steps)
+        if not options.serving.aux_capture:
+            steps.append("serving setup: the target was not set up to capture aux hidden states")
+            return plan
+        if not resolved.eagle_use_aux_hidden_state:
+            steps.append("eagle_config.use_aux_hidden_state is false: no capture")
+            return plan
+        if not supports:
+            steps.append(f"{model_cls.__name__} has no set_eagle3_layers_to_capture: the draft gets one layer")
+            return plan
+        # On the meta device: the method only sets attributes, no weights are needed.
+        with torch.device("meta"):
+            model = model_cls(config=target_config.hf_config)
+        model.set_eagle3_layers_to_capture(ids)
+        layers = list(model.model.layers_to_capture)
+        steps.append(f"{model_cls.__name__}.set_eagle3_layers_to_capture({ids}) -> layers_to_capture {layers}")
+        # LlamaModel.forward captures at the input of layer i (hidden_states[i] in HF terms),
+        # walking layers in order, so the draft receives them ascending whatever the list order.
+        plan.hf_layer_ids = sorted(layers)
+        steps.append(f"captured at the input of each listed layer, in layer order: hidden_states{plan.hf_layer_ids}")
+        return plan
+
     def run(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, options: RunOptions) -> EngineRun:
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -89,7 +167,7 @@ class SGLangAdapter:
         timings["import"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        cfg_dict, conversion_notes = serving_config(checkpoint)
+        cfg_dict, conversion_notes = serving_config(checkpoint, options)
         config = LlamaConfig(**cfg_dict)
         device = torch.device(options.device)
         with _default_dtype(options.dtype), device:
@@ -114,16 +192,9 @@ class SGLangAdapter:
         timings["forward"] = time.perf_counter() - t0
 
         ledger = self._ledger(model, served_names, recorder, share["shared"])
-        dropped = ledger.names(TensorFate.DROPPED)
         details = {
-            "load": {
-                "consumed": sorted(recorder.consumed),
-                "dropped": dropped,
-                "d2t": "hot_token_id = d2t + arange" if model.hot_token_id is not None else "absent: draft ids used as target ids",
-                "params_left_at_init": ledger.names(ParamFate.INIT),
-                "shared_from_target": ledger.names(ParamFate.SHARED),
-            },
             "conversion_notes": conversion_notes,
+            "served_config": cfg_dict,
             "sgl_kernel_standin": standin.as_dict(),
             "lm_head_path": share["path"],
         }
