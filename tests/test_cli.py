@@ -32,7 +32,7 @@ def test_report_parity(tiny, tmp_path, fmt, dtype):
 
 @pytest.mark.parametrize("flag,probe,cause", [
     ("--serve-without-aux-capture", "fc.input", "aux_capture_off_fc_skipped"),
-    ("--serve-lm-head-from-target", "logits", "lm_head_mismatch"),
+    ("--serve-lm-head-from-target", "logits", "lm_head_replaced_by_target"),
 ])
 def test_report_serving_fault_diverges(tiny, tmp_path, flag, probe, cause):
     proc = difftest("report", tiny / "speculators", flag, "--out", tmp_path)

@@ -352,6 +352,12 @@ def build(progress=None) -> Paths:
         # The converter's version is in the step name: a converter fix must rebuild the legacy copy.
         (f"export-e{epochs}-c{CONVERTER_VERSION}", [p.draft, p.legacy, p.states, p.training_json], lambda: export(p)),
     ]
+    # A record of a step no longer in the plan (an older converter's export) describes
+    # outputs that have since been rebuilt: drop it rather than leave stale provenance.
+    current = {name for name, _, _ in steps}
+    for record in p.root.glob("*.done.json"):
+        if record.name[: -len(".done.json")] not in current:
+            record.unlink()
     for name, outputs, fn in steps:
         step = Step(p.root, name, outputs)
         if step.done():
