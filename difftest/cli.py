@@ -69,7 +69,8 @@ def report(
     max_tokens: Optional[int] = typer.Option(None, help="use only the first whole requests up to this many tokens"),
     serve_without_aux_capture: bool = typer.Option(False, help="serving fault: feed SGLang the target's last state only"),
     serve_lm_head_from_target: bool = typer.Option(False, help="serving fault: set_embed_and_head with the target's head"),
-    audit_config: bool = typer.Option(False, help="also measure, field by field, whether SGLang honors the config (slower)"),
+    audit_config: bool = typer.Option(True, "--audit-config/--no-audit-config",
+                                      help="measure, field by field, whether SGLang honors the config (about 10 s more)"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="print only the verdict line"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="show engine logs and tracebacks"),
 ) -> None:

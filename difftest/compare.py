@@ -147,10 +147,11 @@ def compare_runs(
     reference: dict[str, torch.Tensor],
     candidate: dict[str, torch.Tensor],
     tol: Tolerance,
-    candidate_missing: dict[str, str] | None = None,
+    missing: dict[str, str] | None = None,
 ) -> Comparison:
-    """Walk the probes in dataflow order; reference is the training-time engine."""
-    candidate_missing = candidate_missing or {}
+    """Walk the probes in dataflow order; reference is the training-time engine.
+    `missing` says, per probe, why an engine never computed it."""
+    missing = missing or {}
     act = make_activation_check(tol)
     results = []
     tok = None
@@ -158,7 +159,7 @@ def compare_runs(
         ref, cand = reference.get(spec.name), candidate.get(spec.name)
         if ref is None or cand is None:
             side = "candidate" if cand is None else "reference"
-            why = candidate_missing.get(spec.name, f"not recorded by the {side} engine")
+            why = missing.get(spec.name, f"not recorded by the {side} engine")
             results.append(ProbeResult(spec.name, Status.MISSING, detail=why))
             continue
         if ref.shape != cand.shape:

@@ -41,6 +41,29 @@ class Rule:
 D2T_FIX = "Store d2t as offsets, target = draft + d2t[draft], with t2d the boolean mask of the same ids; rebuild both from the training vocab mapping."
 
 RULES: tuple[Rule, ...] = (
+    # The config translation comes first: a lost flag also drops the keys of the module it would build.
+    Rule("lm_head_replaced_by_target", findings=("lm_head_from_target",),
+         explanation=("The serving worker replaced the draft's own draft-vocab head with the target's full-vocab head "
+                      "(set_embed_and_head instead of set_embed), so the draft scores target ids it was never trained on "
+                      "and its argmax is read through d2t as if it were a draft id."),
+         fix="Set draft_vocab_size in the serving config and ship lm_head.weight, so the worker takes set_embed."),
+    Rule("tied_embeddings", findings=("tied_embeddings",),
+         explanation=("tie_word_embeddings is set in the serving config, so SGLang uses the (target-vocab) embedding as "
+                      "the draft's head instead of its own draft-vocab lm_head."),
+         fix="Set tie_word_embeddings to false in the serving config: an EAGLE-3 draft's lm_head is its own."),
+    Rule("draft_vocab_not_carried", findings=("draft_vocab_not_carried",),
+         explanation="draft_vocab_size did not reach the serving config, so the serving draft is built with the wrong head size.",
+         fix="Carry draft_vocab_size into the serving config."),
+    Rule("rope_mismatch", findings=("rope_mismatch",),
+         explanation="The serving config's RoPE (theta or scaling) differs from training's, so attention sees different positions.",
+         fix="Carry rope_theta / rope_scaling (transformers 5: rope_parameters) into the serving config unchanged."),
+    Rule("config_flag_not_carried", findings=("config_flag_not_carried", "sliding_window_ignored"),
+         explanation="A config field that changes the draft's forward did not reach, or is not honored by, the serving engine.",
+         fix="Carry the field named in the audit findings into the serving config (and check the serving engine reads it)."),
+    Rule("norm_before_residual_ignored", findings=("norm_before_residual_ignored",),
+         explanation=("The draft was trained with norm_before_residual=true and the serving engine does not honor it "
+                      "(measured by the config audit), so the residual stream after attention differs."),
+         fix="Train with norm_before_residual=false for SGLang, or use a serving build that honors norm_before_residual."),
     Rule("keys_dropped", findings=("keys_dropped",),
          explanation=("The serving engine skipped checkpoint tensors whose names it does not know, without a word "
                       "(SGLang's load_weights ignores unknown names), so the parameters they were meant for stayed at "
@@ -50,11 +73,6 @@ RULES: tuple[Rule, ...] = (
          explanation=("The checkpoint has no lm_head, so the serving draft's head stayed at random init while speculators "
                       "fills its head from the verifier's rows. Every draft token is then noise."),
          fix="Ship lm_head.weight (draft_vocab_size x hidden) in the checkpoint."),
-    Rule("lm_head_replaced_by_target", findings=("lm_head_from_target",),
-         explanation=("The serving worker replaced the draft's own draft-vocab head with the target's full-vocab head "
-                      "(set_embed_and_head instead of set_embed), so the draft scores target ids it was never trained on "
-                      "and its argmax is read through d2t as if it were a draft id."),
-         fix="Set draft_vocab_size in the serving config and ship lm_head.weight, so the worker takes set_embed."),
     Rule("embedding_not_shared", findings=("embedding_not_shared",),
          explanation="The serving draft kept its own randomly initialized embedding: the target's was never shared with it.",
          fix="Share the target embedding (set_embed needs target_hidden_size == hidden_size), or ship embed_tokens in the checkpoint."),
@@ -94,25 +112,12 @@ RULES: tuple[Rule, ...] = (
     Rule("d2t_missing", findings=("d2t_missing", "t2d_bad_shape", "t2d_bad_count"),
          explanation="The draft vocab is smaller than the target's but there is no usable mapping, so draft ids are read as target ids.",
          fix=D2T_FIX),
-    Rule("tied_embeddings", findings=("tied_embeddings",),
-         explanation=("tie_word_embeddings is set in the serving config, so SGLang uses the (target-vocab) embedding as "
-                      "the draft's head instead of its own draft-vocab lm_head."),
-         fix="Set tie_word_embeddings to false in the serving config: an EAGLE-3 draft's lm_head is its own."),
-    Rule("draft_vocab_not_carried", findings=("draft_vocab_not_carried",),
-         explanation="draft_vocab_size did not reach the serving config, so the serving draft is built with the wrong head size.",
-         fix="Carry draft_vocab_size into the serving config."),
-    Rule("rope_mismatch", findings=("rope_mismatch",),
-         explanation="The serving config's RoPE (theta or scaling) differs from training's, so attention sees different positions.",
-         fix="Carry rope_theta / rope_scaling (transformers 5: rope_parameters) into the serving config unchanged."),
     Rule("norm_before_residual_ignored", probes=("layer0.post_attn_residual",),
          explanation=(
              "The residual stream after attention differs while attention itself agrees: the draft was trained "
              "with norm_before_residual=true (the residual is the normed hidden state), and the serving engine "
              "adds the un-normed hidden state."),
          fix="Train with norm_before_residual=false for SGLang, or use a serving build that honors norm_before_residual."),
-    Rule("config_flag_not_carried", findings=("config_flag_not_carried", "sliding_window_ignored", "norm_before_residual_ignored"),
-         explanation="A config field that changes the draft's forward did not reach, or is not honored by, the serving engine.",
-         fix="Carry the field named in the audit findings into the serving config (and check the serving engine reads it)."),
     Rule("embedding_precision", probes=("embed",), detail_contains="within low-precision rounding",
          explanation=(
              "The embeddings differ only by rounding: the checkpoint carries a low-precision copy of the target's "
@@ -152,10 +157,18 @@ class Diagnosis:
     probe: str | None  # the first divergent probe; None when only the audit found it
     evidence: list[str] = field(default_factory=list)  # the findings behind the cause
     also: list[str] = field(default_factory=list)  # other error findings' causes
+    evidence_checks: list[str] = field(default_factory=list)  # the audit checks that produced the evidence
+
+    @property
+    def found_at(self) -> str:
+        """Where it was caught: the first divergent probe, else the audit check."""
+        if self.probe:
+            return self.probe
+        return f"audit:{self.evidence_checks[0]}" if self.evidence_checks else "audit"
 
     def as_dict(self) -> dict:
-        return {"cause": self.cause, "probe": self.probe, "explanation": self.explanation, "fix": self.fix,
-                "evidence": self.evidence, "also": self.also}
+        return {"cause": self.cause, "probe": self.probe, "found_at": self.found_at, "explanation": self.explanation,
+                "fix": self.fix, "evidence": self.evidence, "also": self.also}
 
 
 def diagnose(comparison: Comparison, findings: list[Finding] = ()) -> Diagnosis | None:
@@ -167,13 +180,14 @@ def diagnose(comparison: Comparison, findings: list[Finding] = ()) -> Diagnosis 
     probe = first.probe if first else None
     for rule in RULES:
         if rule.matches(first, causes):
-            evidence = [f.message for f in errors if f.cause in rule.findings]
+            backing = [f for f in errors if f.cause in rule.findings]
             also = sorted({f.cause for f in errors if f.cause not in rule.findings})
-            return Diagnosis(rule.cause, rule.explanation, rule.fix, probe, evidence, also)
+            return Diagnosis(rule.cause, rule.explanation, rule.fix, probe, [f.message for f in backing], also,
+                             [f.check for f in backing])
     where = f"at {first.probe} ({first.status.value})" if first else "in the audit"
     return Diagnosis(
         "unexplained_divergence",
         f"The engines first disagree {where}; no known signature matches.",
         "Read the per-probe table from this probe on, the audit findings and the load ledger.",
-        probe, [f.message for f in errors], sorted(causes),
+        probe, [f.message for f in errors], sorted(causes), [f.check for f in errors],
     )

@@ -122,7 +122,7 @@ def run(
         full = reference.run(inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=torch.float32, device=device))
         floor = noise_floor(ref_run, full)
     tol = tolerance_for(dtype)
-    comparison = compare_runs(ref_run.probes, cand_run.probes, tol, cand_run.missing)
+    comparison = compare_runs(ref_run.probes, cand_run.probes, tol, {**ref_run.missing, **cand_run.missing})
     findings, conversion_rows, capture = audit(inputs, reference, candidate, ref_run, cand_run, options)
     rows = None
     if audit_config:

@@ -39,6 +39,9 @@ class ServingSetup:
     # Edits to the config the serving engine reads, as (dotted field, value or DROP): what a
     # converter or a hand-written serving config gets wrong.
     config_edits: tuple[tuple[str, object], ...] = ()
+    # Prefix renames of the checkpoint's tensor names on their way to the serving engine,
+    # as (old prefix, new prefix): what a converter that names keys wrongly produces.
+    key_renames: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

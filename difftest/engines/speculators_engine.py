@@ -82,7 +82,10 @@ class SpeculatorsAdapter:
             "attn_implementation": config.transformer_layer_config._attn_implementation,
             "aux_layer_ids": list(model.config.eagle_aux_hidden_state_layer_ids or []),
         }
-        return EngineRun(engine=self.name, probes=probes, timings_s=timings, details=details,
+        missing = self._unmapped(checkpoint, model)
+        for name in missing:
+            probes.pop(name, None)
+        return EngineRun(engine=self.name, probes=probes, missing=missing, timings_s=timings, details=details,
                          ledger=self._ledger(model, checkpoint, nan_before_verifier))
 
     @staticmethod
@@ -147,3 +150,11 @@ class SpeculatorsAdapter:
         # speculators stores d2t as offsets: target = draft + d2t[draft] (its xpress model does the same).
         values["target_token"] = draft + model.d2t.cpu()[draft] if model.d2t is not None else draft.clone()
         return values
+
+    @staticmethod
+    def _unmapped(checkpoint: Checkpoint, model) -> dict[str, str]:
+        # With no d2t in the checkpoint, speculators keeps the buffer transformers materialized
+        # for the missing key: uninitialized memory, so its target ids are not reproducible.
+        if model.d2t is not None and not checkpoint.has("d2t"):
+            return {"target_token": "speculators' d2t buffer is uninitialized memory: the checkpoint has no d2t"}
+        return {}

@@ -63,10 +63,14 @@ def _edit(cfg: dict, path: str, value) -> None:
         node[leaf] = value
 
 
-def serving_tensors(checkpoint: Checkpoint):
+def serving_tensors(checkpoint: Checkpoint, renames: tuple[tuple[str, str], ...] = ()):
     rename = checkpoint.format is CheckpointFormat.SPECULATORS
     for name, tensor in checkpoint.tensors():
-        yield (legacy_name(name) if rename else name), name, tensor
+        served = name
+        for old, new in renames:
+            if served.startswith(old):
+                served = new + served[len(old):]
+        yield (legacy_name(served) if rename else served), name, tensor
 
 
 class _LoadRecorder:
@@ -177,7 +181,7 @@ class SGLangAdapter:
         served_names: dict[str, str] = {}
 
         def weights():
-            for served, original, tensor in serving_tensors(checkpoint):
+            for served, original, tensor in serving_tensors(checkpoint, options.serving.key_renames):
                 served_names[original] = served
                 recorder.current = original
                 yield served, tensor
@@ -185,13 +189,14 @@ class SGLangAdapter:
 
         model.load_weights(weights())
         share = self._share_target(model, target, options)
+        ledger = self._ledger(model, served_names, recorder, share["shared"])
+        self._poison_unwritten(model, ledger)
         timings["load"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         probes, missing = self._forward(model, target, states, options)
         timings["forward"] = time.perf_counter() - t0
 
-        ledger = self._ledger(model, served_names, recorder, share["shared"])
         details = {
             "conversion_notes": conversion_notes,
             "served_config": cfg_dict,
@@ -226,6 +231,18 @@ class SGLangAdapter:
         for pname in shared:
             ledger.params.setdefault(pname, (ParamFate.SHARED, "from the target"))
         return ledger
+
+    @staticmethod
+    def _poison_unwritten(model, ledger: LoadLedger) -> None:
+        """SGLang allocates parameters with torch.empty; one no checkpoint tensor reached holds
+        whatever memory it got (sometimes a just-freed copy of the right weights). NaN makes
+        the effect deterministic and impossible to miss."""
+        params = dict(model.named_parameters())
+        for name in ledger.names(ParamFate.INIT):
+            if name in params and params[name].is_floating_point():
+                with torch.no_grad():
+                    params[name].fill_(float("nan"))
+            ledger.params[name] = (ParamFate.INIT, "no checkpoint tensor reached its weight_loader; poisoned with NaN")
 
     @staticmethod
     def _share_target(model, target: TargetWeights, options: RunOptions) -> dict:
@@ -338,5 +355,11 @@ class SGLangAdapter:
         draft = logits.argmax(dim=-1)
         values["draft_token"] = draft
         hot = model.get_hot_token_id()
-        values["target_token"] = hot.cpu()[draft] if hot is not None else draft.clone()
+        if hot is not None and int(draft.max()) >= hot.numel():
+            # A full-vocab head's ids index past the draft-vocab map; on a GPU this is a
+            # device-side assert, here it is recorded rather than raised.
+            missing["target_token"] = (f"draft ids up to {int(draft.max())} index past hot_token_id "
+                                       f"({hot.numel()} entries): the head is not draft-vocab")
+        else:
+            values["target_token"] = hot.cpu()[draft] if hot is not None else draft.clone()
         return values, missing

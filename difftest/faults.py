@@ -1,0 +1,195 @@
+"""Injectable faults: one per known way an EAGLE-3 draft goes silent at serving time.
+
+Each fault is declared once: its name, the public bug class it reproduces, where it must
+be caught (a probe, or `audit:<check>` when no probe can see it because both engines read
+the same broken input), and the root cause the diagnosis must name. It is applied to a
+scratch Workspace (a copy of the checkpoint and states, and the serving setup), never to
+the originals.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+
+from difftest.checkpoint import Checkpoint, load_checkpoint
+from difftest.convert import speculators_to_legacy
+from difftest.engines.base import DROP, ServingSetup
+from difftest.states import CapturedStates, save_states
+
+
+@dataclass
+class Workspace:
+    """Scratch copies a fault may edit: checkpoint dir, states and the serving setup."""
+
+    root: Path
+    checkpoint: Path
+    states: CapturedStates
+    target: Path
+    serving: ServingSetup = field(default_factory=ServingSetup)
+    run_dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def copy_of(cls, checkpoint: Path, states: CapturedStates, target: Path, root: Path, dtype: torch.dtype) -> "Workspace":
+        dest = root / "checkpoint"
+        shutil.copytree(checkpoint, dest, symlinks=False)
+        return cls(root, dest, states, target, run_dtype=dtype)
+
+    def ckpt(self) -> Checkpoint:
+        return load_checkpoint(self.checkpoint)
+
+    def config(self) -> dict:
+        return json.loads((self.checkpoint / "config.json").read_text())
+
+    def edit_config(self, edit: Callable[[dict], None]) -> None:
+        cfg = self.config()
+        edit(cfg)
+        (self.checkpoint / "config.json").write_text(json.dumps(cfg, indent=2))
+
+    def edit_tensors(self, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+        tensors = dict(self.ckpt().tensors())
+        edit(tensors)
+        for f in self.checkpoint.glob("*.safetensors"):
+            f.unlink()
+        (self.checkpoint / "model.safetensors.index.json").unlink(missing_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.checkpoint / "model.safetensors"))
+
+    def to_legacy(self) -> None:
+        out = self.root / "legacy"
+        speculators_to_legacy(self.checkpoint, out)
+        shutil.rmtree(self.checkpoint)
+        out.rename(self.checkpoint)
+
+    def serve(self, **changes) -> None:
+        self.serving = replace(self.serving, **changes)
+
+    def serve_config_edit(self, path: str, value) -> None:
+        self.serving = replace(self.serving, config_edits=self.serving.config_edits + ((path, value),))
+
+    def states_file(self) -> Path:
+        path = self.root / "states.safetensors"
+        save_states(self.states, path)
+        return path
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    bug_class: str  # the public bug it reproduces
+    caught_at: str  # a probe name, or "audit:<check>"
+    diagnosis: str  # a cause in difftest.diagnosis.CAUSES
+    inject: Callable[[Workspace], None]
+    # Run dtypes the fault means something at (e.g. a downcast is a no-op at bf16).
+    dtypes: tuple[str, ...] = ("fp32", "bf16")
+
+
+def _d2t(edit: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Workspace], None]:
+    return lambda ws: ws.edit_tensors(lambda t: t.__setitem__("d2t", edit(t["d2t"])))
+
+
+def _absolute(d2t: torch.Tensor) -> torch.Tensor:
+    return d2t + torch.arange(d2t.numel(), dtype=d2t.dtype)
+
+
+def _arange_subtracted(d2t: torch.Tensor) -> torch.Tensor:
+    return d2t - torch.arange(d2t.numel(), dtype=d2t.dtype)
+
+
+def _head_from_target(ws: Workspace) -> None:
+    # With an lm_head present SGLang's loader asserts on its shape (loud, not silent), so
+    # the silent form is a head-less checkpoint whose serving config has draft_vocab_size null.
+    ws.edit_tensors(lambda t: t.pop("lm_head.weight"))
+    ws.serve_config_edit("draft_vocab_size", None)
+
+
+def _random_embedding(ws: Workspace) -> None:
+    ws.edit_tensors(lambda t: t.pop("embed_tokens.weight", None))
+    ws.serve(share_target_embed=False)
+
+
+def _verbatim_aux_ids(ws: Workspace) -> None:
+    ids = ws.config()["eagle_aux_hidden_state_layer_ids"]
+    # What a converter that copies speculators' ids into eagle_config writes.
+    ws.serve_config_edit("eagle_config.eagle_aux_hidden_state_layer_ids", list(ids))
+
+
+def _trained_in_reverse_order(ws: Workspace) -> None:
+    st = ws.states
+    H = st.verifier_last_hidden_states.shape[-1]
+    ws.states = replace(st, aux_layer_ids=tuple(reversed(st.aux_layer_ids)),
+                        aux_hidden_states=torch.cat(st.aux_hidden_states.split(H, dim=-1)[::-1], dim=-1))
+    ws.edit_config(lambda c: c["eagle_aux_hidden_state_layer_ids"].reverse())
+
+
+def _norm_flag_dropped(ws: Workspace) -> None:
+    # The flag must be on for dropping it to matter.
+    ws.edit_config(lambda c: c.update(norm_before_fc=True, fc_norm=False))
+    ws.serve_config_edit("norm_before_fc", DROP)
+    ws.serve_config_edit("eagle_config.norm_before_fc", DROP)
+
+
+def _rope_dropped(ws: Workspace) -> None:
+    # Train-side theta well away from the library default, so dropping it changes positions.
+    def far_theta(c: dict) -> None:
+        layer = c["transformer_layer_config"]
+        theta = (layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta", 10000.0))
+        new = float(theta) * 16
+        if "rope_parameters" in layer and layer["rope_parameters"]:
+            layer["rope_parameters"]["rope_theta"] = new
+        layer["rope_theta"] = new
+
+    ws.edit_config(far_theta)
+    ws.serve_config_edit("rope_parameters", DROP)
+    ws.serve_config_edit("rope_theta", DROP)
+
+
+def _downcast_weights(ws: Workspace) -> None:
+    ws.edit_tensors(lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items() if v.is_floating_point()}))
+
+
+FAULTS: tuple[Fault, ...] = (
+    # sglang 0.5.23 maps both midlayer.* and layers.0.* itself; a name it has no rule for
+    # (here a 1-based layer index from a converter) is what it still drops without a word.
+    Fault("decoder_keys_renamed", "checkpoint keys the engine doesn't know are skipped (layers.0.* vs midlayer.*)",
+          "layer0.embed_norm", "keys_dropped", lambda ws: ws.serve(key_renames=(("layers.0.", "layers.1."),))),
+    Fault("d2t_absolute_ids", "d2t stored as absolute target ids where offsets belong",
+          "audit:vocab", "d2t_convention", _d2t(_absolute)),
+    Fault("d2t_arange_subtracted", "a 'fix' that subtracts arange from correct d2t offsets",
+          "audit:vocab", "d2t_convention", _d2t(_arange_subtracted)),
+    Fault("d2t_missing", "no d2t in the checkpoint: draft ids read as target ids",
+          "target_token", "d2t_missing", lambda ws: ws.edit_tensors(lambda t: t.pop("d2t"))),
+    Fault("lm_head_missing", "a missing lm_head left at random init",
+          "logits", "lm_head_missing", lambda ws: ws.edit_tensors(lambda t: t.pop("lm_head.weight"))),
+    Fault("lm_head_from_target", "a missing lm_head replaced by the target's full-vocab head (set_embed_and_head, "
+          "taken when draft_vocab_size is null in the serving config)",
+          "logits", "lm_head_replaced_by_target", _head_from_target),
+    Fault("draft_embedding_not_shared", "the draft's own random embedding used instead of the target's",
+          "embed", "embedding_not_shared", _random_embedding),
+    Fault("aux_capture_off", "the target not set up to capture aux hidden states: one layer, fc skipped by the shape check",
+          "fc.input", "aux_capture_off_fc_skipped", lambda ws: ws.serve(aux_capture=False)),
+    Fault("aux_ids_off_by_one", "aux layer ids off by one between engines (speculators' ids copied verbatim)",
+          "audit:capture", "aux_layers_off_by_one", _verbatim_aux_ids),
+    Fault("aux_layers_wrong_order", "aux layers concatenated in a different order than trained",
+          "audit:capture", "aux_layers_wrong_order", _trained_in_reverse_order),
+    Fault("norm_flag_dropped", "the converter drops a norm flag (norm_before_fc)",
+          "fc.input", "config_flag_not_carried", _norm_flag_dropped),
+    Fault("rope_theta_dropped", "the converter drops rope theta / scaling",
+          "layer0.attn_output", "rope_mismatch", _rope_dropped),
+    Fault("tie_word_embeddings_set", "tie_word_embeddings wrongly set: the target-vocab embedding used as the head",
+          "logits", "tied_embeddings", lambda ws: ws.serve_config_edit("tie_word_embeddings", True)),
+    Fault("weights_downcast", "weights in a different dtype (bf16) from the target states (fp32)",
+          "embed", "embedding_precision", _downcast_weights, dtypes=("fp32",)),
+)
+
+FAULTS_BY_NAME = {f.name: f for f in FAULTS}
+
+
+def scratch_dir() -> tempfile.TemporaryDirectory:
+    return tempfile.TemporaryDirectory(prefix="difftest-fault-")

@@ -1,0 +1,158 @@
+"""`difftest selftest`: run the clean fixture and every fault through the real pipeline.
+
+A fault scores only if it is caught at the declared place (localization is part of the
+score) with the declared diagnosis. A clean run that does not come out PARITY is a false
+alarm. The runner knows no engine: it edits scratch copies and calls pipeline.run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from difftest.faults import FAULTS, Fault, Workspace, scratch_dir
+from difftest.states import CapturedStates, load_states
+from difftest.tolerances import DTYPES
+
+CLEAN = "clean"
+
+
+@dataclass(frozen=True)
+class SelftestFixture:
+    name: str
+    checkpoint: Path
+    target: Path
+    states: Path
+    # Edits that make the clean baseline a draft both engines can compute identically;
+    # each says why. Applied to the scratch copy before any fault.
+    baseline: tuple[tuple[str, Callable[[Workspace], None]], ...] = ()
+
+
+@dataclass
+class Outcome:
+    fixture: str
+    dtype: str
+    fault: str
+    expected_at: str
+    expected_cause: str | None
+    found_at: str
+    found_cause: str | None
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        if self.fault == CLEAN:
+            return self.found_cause is None
+        return self.found_at == self.expected_at and self.found_cause == self.expected_cause
+
+    def as_dict(self) -> dict:
+        return self.__dict__ | {"passed": self.passed}
+
+
+@dataclass
+class Score:
+    outcomes: list[Outcome]
+
+    @property
+    def faults(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.fault != CLEAN]
+
+    @property
+    def caught(self) -> int:
+        return sum(o.passed for o in self.faults)
+
+    @property
+    def false_alarms(self) -> int:
+        return sum(not o.passed for o in self.outcomes if o.fault == CLEAN)
+
+    @property
+    def mutation_score(self) -> float:
+        return self.caught / len(self.faults) if self.faults else 0.0
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.faults) and self.caught == len(self.faults) and self.false_alarms == 0
+
+
+def _embed_at_target_precision(ws: Workspace) -> None:
+    """The checkpoint's embed_tokens is the frozen target embedding saved at lower precision;
+    put the target's own back, so an fp32 run compares what training computed."""
+    from difftest.target import load_target
+
+    target = load_target(ws.target)
+
+    def swap(t: dict) -> None:
+        stored = t.get("embed_tokens.weight")
+        if stored is None:
+            return
+        if not torch.equal(stored, target.embed.to(stored.dtype)):
+            raise RuntimeError("embed_tokens is not the target's embedding rounded: cannot restore it")
+        t["embed_tokens.weight"] = target.embed.clone()
+
+    ws.edit_tensors(swap)
+
+
+def _norm_before_residual_off(ws: Workspace) -> None:
+    """SGLang 0.5.23 has no norm_before_residual (difftest/known_divergences.py): with it on,
+    every run diverges at layer0.post_attn_residual and would mask later faults."""
+    ws.edit_config(lambda c: c.update(norm_before_residual=False))
+
+
+def fixtures(which: str) -> list[SelftestFixture]:
+    from difftest.fixturegen.default import TINY_DIR
+
+    out = []
+    if which in ("tiny", "all"):
+        out.append(SelftestFixture("tiny", TINY_DIR / "speculators", TINY_DIR / "target", TINY_DIR / "states.safetensors"))
+    if which in ("default", "all"):
+        from difftest.fixturegen.default import default_fixture
+
+        fx = default_fixture(progress=False)
+        out.append(SelftestFixture("smollm2", fx.checkpoint, fx.target, fx.states, baseline=(
+            ("norm_before_residual=false", _norm_before_residual_off),
+            ("embed_tokens at the target's precision", _embed_at_target_precision),
+        )))
+    return out
+
+
+def run_one(fx: SelftestFixture, states: CapturedStates, dtype_name: str, fault: Fault | None) -> Outcome:
+    from difftest import pipeline
+
+    t0 = time.perf_counter()
+    dtype = DTYPES[dtype_name]
+    with scratch_dir() as tmp:
+        ws = Workspace.copy_of(fx.checkpoint, states, fx.target, Path(tmp), dtype)
+        for _, edit in fx.baseline:
+            edit(ws)
+        if fault is not None:
+            fault.inject(ws)
+        inputs = pipeline.prepare(ws.checkpoint, ws.target, ws.states_file())
+        result = pipeline.run(inputs, dtype=dtype, serving=ws.serving, measure_noise=False)
+    diag = result.diagnosis
+    return Outcome(
+        fixture=fx.name, dtype=dtype_name, fault=fault.name if fault else CLEAN,
+        expected_at=fault.caught_at if fault else "-", expected_cause=fault.diagnosis if fault else None,
+        found_at=diag.found_at if diag else "-", found_cause=diag.cause if diag else None,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def run_selftest(which: str = "all", dtypes: Iterable[str] = ("fp32", "bf16"), only: Iterable[str] | None = None,
+                 on_outcome: Callable[[Outcome], None] | None = None, max_tokens: int | None = None) -> Score:
+    chosen = [f for f in FAULTS if only is None or f.name in set(only)]
+    outcomes = []
+    for fx in fixtures(which):
+        states = load_states(fx.states)
+        if max_tokens:
+            states = states.head(max_tokens)
+        for dtype_name in dtypes:
+            for fault in [None, *[f for f in chosen if dtype_name in f.dtypes]]:
+                outcome = run_one(fx, states, dtype_name, fault)
+                outcomes.append(outcome)
+                if on_outcome:
+                    on_outcome(outcome)
+    return Score(outcomes)
