@@ -94,6 +94,8 @@ def _embed_at_target_precision(ws: Workspace) -> None:
         t["embed_tokens.weight"] = target.embed.clone()
 
     ws.edit_tensors(swap)
+    # speculators loads at the config's dtype; left at bf16 it would round the restored copy again.
+    ws.edit_config(lambda c: c.update(dtype="float32"))
 
 
 def _norm_before_residual_off(ws: Workspace) -> None:
