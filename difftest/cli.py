@@ -1,4 +1,5 @@
-"""`difftest` command line. Exit codes: 0 parity, 1 divergence, 2 bad input or usage."""
+"""`difftest` command line. Exit codes: 0 parity (selftest: all caught), 1 divergence (selftest: a miss
+or a false alarm), 2 bad input or usage, 3 internal error."""
 
 from __future__ import annotations
 
@@ -128,6 +129,57 @@ def _report_one(ckpt, target, states, dtype, device, out_dir, max_tokens, servin
                           audit_config=audit_config)
     rep = build_report(result, command=["difftest", *sys.argv[1:]], extra=extra)
     return rep, write_reports(rep, out_dir)
+
+
+@app.command()
+def selftest(
+    fixture: str = typer.Option("all", help="tiny | default (the SmolLM2 draft) | all"),
+    dtype: list[str] = typer.Option(["fp32", "bf16"], help="run dtypes (repeatable)"),
+    fault: Optional[list[str]] = typer.Option(None, help="only these faults (repeatable; default: the whole catalog)"),
+    out: Path = typer.Option(Path("reports/selftest"), help="where selftest.json and selftest.md go"),
+    quiet: bool = typer.Option(False, "-q", "--quiet", help="print only the score line"),
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="show engine logs and tracebacks"),
+) -> None:
+    """Inject every known fault into scratch copies and check each is caught, at the right place, with the right cause."""
+    quiet_engines(verbose)
+    from difftest.faults import FAULTS_BY_NAME
+    from difftest.tolerances import DTYPES
+
+    if fixture not in ("tiny", "default", "all"):
+        fail(f"--fixture must be tiny, default or all, got {fixture!r}")
+    for name in dtype:
+        if name not in DTYPES:
+            fail(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    unknown = sorted(set(fault or ()) - set(FAULTS_BY_NAME))
+    if unknown:
+        fail(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(FAULTS_BY_NAME)}")
+    from rich.console import Console
+
+    from difftest.selftest import run_selftest, write_selftest
+
+    console = Console(stderr=True, quiet=quiet)
+    try:
+        def show(o) -> None:
+            mark = "[green]pass[/]" if o.passed else "[red]FAIL[/]"
+            console.print(f"{mark} {o.fixture} {o.dtype} {o.fault}: expected {o.expected_at} / {o.expected_cause}, "
+                          f"found {o.found_at} / {o.found_cause} ({o.seconds:.1f}s)", highlight=False)
+
+        score = run_selftest(fixture, dtypes=dtype, only=fault, on_outcome=show)
+        paths = write_selftest(score, out)
+    except typer.Exit:
+        raise
+    except Exception as exc:
+        if verbose:
+            raise
+        fail(f"internal error: {type(exc).__name__}: {exc} (rerun with -v for the traceback)", EXIT_INTERNAL)
+    if not quiet:
+        from difftest.selftest import render_table
+
+        Console().print(render_table(score))
+    typer.echo(f"selftest: mutation score {score.caught}/{len(score.faults)} ({score.mutation_score:.0%}), "
+               f"false alarms {score.false_alarms}/{len(score.outcomes) - len(score.faults)} clean runs"
+               + ("" if quiet else f"; wrote {paths['json']} and {paths['md']}"))
+    raise typer.Exit(EXIT_PARITY if score.ok else EXIT_DIVERGED)
 
 
 @app.command("build-fixtures")

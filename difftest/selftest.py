@@ -158,3 +158,47 @@ def run_selftest(which: str = "all", dtypes: Iterable[str] = ("fp32", "bf16"), o
                 if on_outcome:
                     on_outcome(outcome)
     return Score(outcomes)
+
+
+def render_table(score: Score):
+    from rich.table import Table
+
+    table = Table(title="difftest selftest")
+    for col in ("fixture", "dtype", "fault", "expected place", "found place", "diagnosis", "result"):
+        table.add_column(col, overflow="fold")
+    for o in score.outcomes:
+        diag = o.found_cause or "-"
+        if o.fault != CLEAN and o.found_cause != o.expected_cause:
+            diag = f"{diag} (expected {o.expected_cause})"
+        table.add_row(o.fixture, o.dtype, o.fault, o.expected_at, o.found_at, diag, "pass" if o.passed else "FAIL")
+    return table
+
+
+def render_markdown(score: Score) -> str:
+    lines = ["# difftest selftest", "",
+             f"Mutation score {score.caught}/{len(score.faults)} ({score.mutation_score:.0%}); "
+             f"false alarms {score.false_alarms} on {len(score.outcomes) - len(score.faults)} clean runs.", "",
+             "| fixture | dtype | fault | expected place | found place | diagnosis | result |",
+             "|---|---|---|---|---|---|---|"]
+    for o in score.outcomes:
+        lines.append(f"| {o.fixture} | {o.dtype} | {o.fault} | {o.expected_at} | {o.found_at} | {o.found_cause or '-'} | "
+                     f"{'pass' if o.passed else '**FAIL**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_selftest(score: Score, out_dir: str | Path) -> dict[str, Path]:
+    import json
+
+    from difftest.report.build import atomic_write
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "selftest.json", "md": out / "selftest.md"}
+    doc = {"mutation_score": score.mutation_score, "caught": score.caught, "faults": len(score.faults),
+           "false_alarms": score.false_alarms, "ok": score.ok,
+           "catalog": [{"name": f.name, "bug_class": f.bug_class, "caught_at": f.caught_at, "diagnosis": f.diagnosis,
+                        "dtypes": list(f.dtypes)} for f in FAULTS],
+           "outcomes": [o.as_dict() for o in score.outcomes]}
+    atomic_write(paths["json"], json.dumps(doc, indent=2) + "\n")
+    atomic_write(paths["md"], render_markdown(score))
+    return paths

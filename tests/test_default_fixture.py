@@ -92,3 +92,12 @@ def test_main_job_reports_both_formats(fx, tmp_path):
         assert reports[0]["first_divergence"]["probe"] == "layer0.post_attn_residual"
         assert reports[0]["diagnosis"]["cause"] == "norm_before_residual_ignored"
     assert tree_hash(fx.checkpoint.parent) == before
+
+
+def test_selftest_on_the_real_draft_catches_every_fault_in_both_dtypes(fx):
+    from difftest.selftest import run_selftest
+
+    score = run_selftest("default")
+    misses = [o.as_dict() for o in score.outcomes if not o.passed]
+    assert score.ok, misses
+    assert {o.dtype for o in score.outcomes} == {"fp32", "bf16"}

@@ -191,7 +191,7 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
@@ -207,6 +207,6 @@ def write_reports(report: dict, out_dir: str | Path) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "md": out / "report.md"}
-    _atomic_write(paths["json"], json.dumps(report, indent=2) + "\n")
-    _atomic_write(paths["md"], render_markdown(report))
+    atomic_write(paths["json"], json.dumps(report, indent=2) + "\n")
+    atomic_write(paths["md"], render_markdown(report))
     return paths
