@@ -128,6 +128,17 @@ class Checkpoint:
     config: dict[str, Any]
     spec: DraftSpec
     _files: dict[str, Path] = field(repr=False, default_factory=dict)  # tensor name -> file
+    # Where the user's checkpoint is, when `path` is a scratch safetensors copy of pickled weights.
+    source: Path | None = None
+    _scratch: Any = field(repr=False, default=None)  # keeps that copy alive as long as the checkpoint
+
+    @property
+    def origin(self) -> Path:
+        return self.source or self.path
+
+    def shape(self, name: str) -> torch.Size:
+        with safe_open(str(self._files[name]), framework="pt", device="cpu") as f:
+            return torch.Size(f.get_slice(name).get_shape())
 
     def tensor_names(self) -> list[str]:
         return list(self._files)
@@ -164,9 +175,20 @@ class Checkpoint:
         return dict(self.tensors())
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+def _pickles(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+
+
 def _index_tensors(path: Path) -> dict[str, Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
+        pickles = _pickles(path)
+        if pickles:
+            raise InputError(f"{path}: weights are pickle files ({', '.join(p.name for p in pickles[:3])}); refusing to "
+                             "unpickle them; convert to safetensors or pass --allow-pickle (loads with weights_only=True)")
         raise InputError(f"{path}: no *.safetensors weights found (expected model.safetensors)")
     names: dict[str, Path] = {}
     for file in files:
@@ -179,7 +201,32 @@ def _index_tensors(path: Path) -> dict[str, Path]:
     return names
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
+def _safetensors_copy_of_pickles(path: Path):
+    """torch.load(weights_only=True) each pickle into one scratch safetensors checkpoint:
+    the engines then read safetensors like any other, and nothing runs arbitrary code."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _pickles(path):
+        try:
+            loaded = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # weights_only refuses anything that is not plain tensors and containers
+            raise InputError(f"{file}: not loadable with weights_only=True ({str(exc).splitlines()[0][:160]})") from None
+        if isinstance(loaded, dict) and "state_dict" in loaded and isinstance(loaded["state_dict"], dict):
+            loaded = loaded["state_dict"]
+        if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()):
+            raise InputError(f"{file}: expected a dict of name -> tensor, found {type(loaded).__name__}")
+        tensors.update({k: v.contiguous() for k, v in loaded.items()})
+    scratch = tempfile.TemporaryDirectory(prefix="difftest-unpickled-")
+    save_file(tensors, str(Path(scratch.name) / "model.safetensors"))
+    shutil.copy(path / "config.json", Path(scratch.name) / "config.json")
+    return scratch
+
+
+def load_checkpoint(path: str | Path, allow_pickle: bool = False) -> Checkpoint:
     path = Path(path)
     if not path.is_dir():
         raise InputError(f"{path}: checkpoint directory not found")
@@ -194,4 +241,9 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise InputError(f"{cfg_file}: expected a JSON object, found {type(config).__name__}")
     fmt = detect_format(config)
     spec = spec_from_config(config, fmt)
+    if allow_pickle and not any(path.glob("*.safetensors")) and _pickles(path):
+        scratch = _safetensors_copy_of_pickles(path)
+        copy = Path(scratch.name)
+        return Checkpoint(path=copy, format=fmt, config=config, spec=spec, _files=_index_tensors(copy),
+                          source=path, _scratch=scratch)
     return Checkpoint(path=path, format=fmt, config=config, spec=spec, _files=_index_tensors(path))

@@ -70,6 +70,7 @@ def report(
     max_tokens: Optional[int] = typer.Option(None, help="use only the first whole requests up to this many tokens"),
     serve_without_aux_capture: bool = typer.Option(False, help="serving fault: feed SGLang the target's last state only"),
     serve_lm_head_from_target: bool = typer.Option(False, help="serving fault: set_embed_and_head with the target's head"),
+    allow_pickle: bool = typer.Option(False, help="accept .bin/.pt weights, loaded with torch.load(weights_only=True)"),
     audit_config: bool = typer.Option(True, "--audit-config/--no-audit-config",
                                       help="measure, field by field, whether SGLang honors the config (about 10 s more)"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="print only the verdict line"),
@@ -100,7 +101,8 @@ def report(
         serving = ServingSetup(aux_capture=not serve_without_aux_capture, lm_head_from_target=serve_lm_head_from_target)
         codes = []
         for ckpt, out_dir in jobs:
-            rep, paths = _report_one(ckpt, target, states, torch_dtype, device, out_dir, max_tokens, serving, extra, audit_config)
+            rep, paths = _report_one(ckpt, target, states, torch_dtype, device, out_dir, max_tokens, serving, extra,
+                                     audit_config, allow_pickle)
             first = rep["first_divergence"]
             diag = rep["diagnosis"]
             line = rep["verdict"] + (f": first divergence at {first['probe']} ({diag['cause']})" if first else
@@ -120,11 +122,12 @@ def report(
     raise typer.Exit(max(codes))
 
 
-def _report_one(ckpt, target, states, dtype, device, out_dir, max_tokens, serving, extra, audit_config=False):
+def _report_one(ckpt, target, states, dtype, device, out_dir, max_tokens, serving, extra, audit_config=False,
+                allow_pickle=False):
     from difftest import pipeline
     from difftest.report import build_report, write_reports
 
-    inputs = pipeline.prepare(ckpt, target, states, max_tokens=max_tokens)
+    inputs = pipeline.prepare(ckpt, target, states, max_tokens=max_tokens, allow_pickle=allow_pickle)
     result = pipeline.run(inputs, dtype=dtype or inputs.checkpoint.stored_dtype(), device=device, serving=serving,
                           audit_config=audit_config)
     rep = build_report(result, command=["difftest", *sys.argv[1:]], extra=extra)

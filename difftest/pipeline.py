@@ -65,27 +65,30 @@ def resolve_target_path(ckpt: Checkpoint, target: str | Path | None) -> Path:
     if target is not None:
         return Path(target)
     verifier = ((ckpt.config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    candidates = [ckpt.path / verifier] if verifier and not Path(verifier).is_absolute() else ([Path(verifier)] if verifier else [])
+    candidates = [ckpt.origin / verifier] if verifier and not Path(verifier).is_absolute() else ([Path(verifier)] if verifier else [])
     # The fixture layouts keep the target beside the draft, or one level up.
-    candidates += [ckpt.path.parent / "target", ckpt.path.parent.parent / "target"]
+    candidates += [ckpt.origin.parent / "target", ckpt.origin.parent.parent / "target"]
     for c in candidates:
         if (c / "config.json").is_file():
             return c.resolve()
-    raise InputError(f"{ckpt.path}: no target found; pass --target DIR (an HF Llama target with safetensors weights)")
+    raise InputError(f"{ckpt.origin}: no target found; pass --target DIR (an HF Llama target with safetensors weights)")
 
 
 def resolve_states(ckpt: Checkpoint, states: str | Path | None) -> Path:
     if states is not None:
         return Path(states)
     for name in DEFAULT_STATES_NAMES:
-        p = ckpt.path / name
+        p = ckpt.origin / name
         if p.is_file():
             return p.resolve()
-    raise InputError(f"{ckpt.path}: no captured hidden states found; pass --states FILE")
+    raise InputError(f"{ckpt.origin}: no captured hidden states found; pass --states FILE")
 
 
-def prepare(ckpt_path, target=None, states=None, max_tokens: int | None = None) -> RunInputs:
-    ckpt = load_checkpoint(ckpt_path)
+def prepare(ckpt_path, target=None, states=None, max_tokens: int | None = None, allow_pickle: bool = False) -> RunInputs:
+    from difftest.validate import validate_checkpoint
+
+    ckpt = load_checkpoint(ckpt_path, allow_pickle=allow_pickle)
+    validate_checkpoint(ckpt)
     tgt = load_target(resolve_target_path(ckpt, target))
     states_path = resolve_states(ckpt, states)
     st = load_states(states_path)

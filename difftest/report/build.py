@@ -46,7 +46,7 @@ def build_report(result: RunResult, command: list[str] | None = None, extra: dic
             "candidate": {"name": result.candidate.engine, "timings_s": result.candidate.timings_s, "details": result.candidate.details,
                           "missing": result.candidate.missing},
         },
-        "checkpoint": {"path": str(ckpt.path), "format": ckpt.format.value, "spec": ckpt.spec.__dict__ | {
+        "checkpoint": {"path": str(ckpt.origin), "format": ckpt.format.value, "spec": ckpt.spec.__dict__ | {
             "aux_layer_ids": list(ckpt.spec.aux_layer_ids) if ckpt.spec.aux_layer_ids else None}},
         "inputs": {
             "target": str(result.inputs.target.path),

@@ -1,0 +1,96 @@
+"""Refuse checkpoints no comparison can be honest about, with one line that says what was
+found and what was expected.
+
+Contradictions (config against itself or against the tensor shapes), non-finite weights
+and vocab maps neither engine can index are input errors. A d2t that is wrong in one of
+the *named* ways (absolute ids, arange subtracted, ...) is not: it is a diagnosis, and the
+audit reports it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from difftest.checkpoint import Checkpoint
+from difftest.errors import InputError
+
+# audit.vocab causes that name a corruption: those reach the report instead of failing here.
+NAMED_D2T_CORRUPTIONS = {"d2t_absolute_ids", "d2t_arange_subtracted", "d2t_all_zero", "d2t_t2d_disagree"}
+
+
+def _rows(ckpt: Checkpoint, suffix: str) -> list[tuple[str, torch.Size]]:
+    return [(n, ckpt.shape(n)) for n in ckpt.tensor_names() if n.endswith(suffix)]
+
+
+def _expect(ckpt: Checkpoint, suffix: str, want: tuple[int, ...], why: str) -> None:
+    for name, shape in _rows(ckpt, suffix):
+        if tuple(shape) != want:
+            raise InputError(f"{ckpt.path}: {name} has shape {list(shape)}, expected {list(want)} ({why})")
+
+
+def validate_config(ckpt: Checkpoint) -> None:
+    s = ckpt.spec
+    for field in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                  "target_vocab_size", "draft_vocab_size", "target_hidden_size"):
+        if getattr(s, field) <= 0:
+            raise InputError(f"{ckpt.path}: config {field} is {getattr(s, field)}, expected a positive integer")
+    if s.num_attention_heads % s.num_key_value_heads:
+        raise InputError(f"{ckpt.path}: num_attention_heads {s.num_attention_heads} is not a multiple of "
+                         f"num_key_value_heads {s.num_key_value_heads}")
+    if s.draft_vocab_size > s.target_vocab_size:
+        raise InputError(f"{ckpt.path}: draft_vocab_size {s.draft_vocab_size} exceeds the target vocab_size {s.target_vocab_size}")
+    if s.aux_layer_ids is not None and len(set(s.aux_layer_ids)) != len(s.aux_layer_ids):
+        raise InputError(f"{ckpt.path}: eagle_aux_hidden_state_layer_ids {list(s.aux_layer_ids)} repeats a layer")
+
+
+def validate_shapes(ckpt: Checkpoint) -> None:
+    s = ckpt.spec
+    H, D = s.hidden_size, s.head_dim
+    _expect(ckpt, "embed_tokens.weight", (s.target_vocab_size, H), "vocab_size x hidden_size")
+    _expect(ckpt, "lm_head.weight", (s.draft_vocab_size, H), "draft_vocab_size x hidden_size")
+    _expect(ckpt, "fc.weight", (H, s.num_aux * s.target_hidden_size), "hidden_size x (aux layers x target_hidden_size)")
+    _expect(ckpt, "self_attn.q_proj.weight", (s.num_attention_heads * D, 2 * H),
+            "num_attention_heads x head_dim, by 2 x hidden_size (embedding and hidden state)")
+    _expect(ckpt, "self_attn.k_proj.weight", (s.num_key_value_heads * D, 2 * H), "num_key_value_heads x head_dim, by 2 x hidden_size")
+    _expect(ckpt, "self_attn.v_proj.weight", (s.num_key_value_heads * D, 2 * H), "num_key_value_heads x head_dim, by 2 x hidden_size")
+    _expect(ckpt, "self_attn.o_proj.weight", (H, s.num_attention_heads * D), "hidden_size x num_attention_heads x head_dim")
+    _expect(ckpt, "mlp.gate_proj.weight", (s.intermediate_size, H), "intermediate_size x hidden_size")
+    _expect(ckpt, "mlp.down_proj.weight", (H, s.intermediate_size), "hidden_size x intermediate_size")
+
+
+def validate_values(ckpt: Checkpoint) -> None:
+    for name, t in ckpt.tensors():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            bad = int((~torch.isfinite(t)).sum())
+            raise InputError(f"{ckpt.path}: {name} holds {bad} NaN/Inf values; expected finite weights")
+
+
+def validate_vocab_maps(ckpt: Checkpoint) -> None:
+    from difftest.audit.vocab import check_vocab
+
+    N, V = ckpt.spec.draft_vocab_size, ckpt.spec.target_vocab_size
+    if ckpt.has("d2t"):
+        d2t = ckpt.get("d2t")
+        if d2t.is_floating_point() or d2t.dtype == torch.bool or d2t.is_complex():
+            raise InputError(f"{ckpt.path}: d2t has dtype {str(d2t.dtype).replace('torch.', '')}, expected int64 offsets")
+        if d2t.dim() != 1 or d2t.shape[0] != N:
+            raise InputError(f"{ckpt.path}: d2t has shape {list(d2t.shape)}, expected [{N}] (draft_vocab_size)")
+    if ckpt.has("t2d"):
+        t2d = ckpt.get("t2d")
+        if t2d.is_floating_point() or t2d.is_complex() or (t2d.dtype != torch.bool and not ((t2d == 0) | (t2d == 1)).all()):
+            raise InputError(f"{ckpt.path}: t2d has dtype {str(t2d.dtype).replace('torch.', '')}, expected a bool mask over the target vocab")
+        if t2d.dim() != 1 or t2d.shape[0] != V:
+            raise InputError(f"{ckpt.path}: t2d has shape {list(t2d.shape)}, expected [{V}] (target vocab_size)")
+    if ckpt.has("d2t"):
+        named = {f.cause for f in check_vocab(ckpt)} & NAMED_D2T_CORRUPTIONS
+        mapped = ckpt.get("d2t").long() + torch.arange(N)
+        if not named and (mapped.min() < 0 or mapped.max() >= V):
+            raise InputError(f"{ckpt.path}: d2t maps draft ids to target ids in [{int(mapped.min())}, {int(mapped.max())}], "
+                             f"expected inside [0, {V}) (target = draft + d2t[draft])")
+
+
+def validate_checkpoint(ckpt: Checkpoint) -> None:
+    validate_config(ckpt)
+    validate_shapes(ckpt)
+    validate_vocab_maps(ckpt)
+    validate_values(ckpt)
