@@ -117,7 +117,7 @@ def spec_from_config(config: dict[str, Any], fmt: CheckpointFormat) -> DraftSpec
             hidden_act=str(layer.get("hidden_act", "silu")),
             max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # AttributeError: a list where an object belongs
         raise InputError(f"config.json is missing or has a malformed field: {exc!r}") from None
 
 

@@ -1,0 +1,192 @@
+"""Bad input fails closed: the CLI, as a subprocess, on a corpus of broken inputs.
+
+Every case must exit 2 with exactly one line on stderr that says what was found, leave
+the inputs byte-for-byte unchanged and write no report. The readers are also fuzzed:
+corrupted bytes and configs may only yield the clean InputError or a valid result.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from difftest.checkpoint import load_checkpoint
+from difftest.errors import InputError
+from difftest.states import load_states, save_states
+from tests.conftest import tree_hash
+from tests.test_cli import difftest
+
+
+def _config(ckpt, edit):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    edit(cfg)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+
+
+def _tensors(ckpt, edit):
+    f = ckpt / "model.safetensors"
+    t = load_file(str(f))
+    edit(t)
+    save_file(t, str(f))
+
+
+def _layer(c):
+    return c["transformer_layer_config"]
+
+
+def _truncate(ckpt):
+    f = ckpt / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _states(tmp, edit):
+    st_ = load_states(tmp / "tiny" / "states.safetensors")
+    edit(st_)
+    path = tmp / "bad_states.safetensors"
+    save_states(st_, path)
+    return path
+
+
+# name -> (how to break a scratch copy of tiny (returns extra CLI args), words the error must contain)
+CORPUS = {
+    "truncated_safetensors": (lambda d, t: _truncate(d), "not a readable safetensors file"),
+    "garbage_safetensors": (lambda d, t: (d / "model.safetensors").write_bytes(b"\x00" * 64), "not a readable safetensors file"),
+    "config_missing": (lambda d, t: (d / "config.json").unlink(), "config.json not found"),
+    "config_unparsable": (lambda d, t: (d / "config.json").write_text("{\"a\": "), "not valid JSON"),
+    "config_not_object": (lambda d, t: (d / "config.json").write_text("[1, 2]"), "expected a JSON object"),
+    "config_field_missing": (lambda d, t: _config(d, lambda c: _layer(c).pop("hidden_size")), "malformed field"),
+    "heads_vs_kv_heads": (lambda d, t: _config(d, lambda c: _layer(c).update(num_key_value_heads=3)), "not a multiple of"),
+    "heads_vs_weights": (lambda d, t: _config(d, lambda c: _layer(c).update(num_attention_heads=8, num_key_value_heads=8)),
+                         "q_proj.weight has shape"),
+    "vocab_vs_embedding_rows": (lambda d, t: _config(d, lambda c: _layer(c).update(vocab_size=300)), "embed_tokens.weight has shape"),
+    "draft_vocab_vs_lm_head_rows": (lambda d, t: _config(d, lambda c: c.update(draft_vocab_size=90)), "lm_head.weight has shape"),
+    "draft_vocab_above_target": (lambda d, t: _config(d, lambda c: c.update(draft_vocab_size=999)), "exceeds the target vocab_size"),
+    "nan_in_weights": (lambda d, t: _tensors(d, lambda x: x["fc.weight"].view(-1)[:3].fill_(float("nan"))), "NaN/Inf"),
+    "inf_in_weights": (lambda d, t: _tensors(d, lambda x: x["lm_head.weight"].view(-1)[7:9].fill_(float("inf"))), "NaN/Inf"),
+    "d2t_float": (lambda d, t: _tensors(d, lambda x: x.__setitem__("d2t", x["d2t"].float())), "d2t has dtype float32"),
+    "d2t_wrong_length": (lambda d, t: _tensors(d, lambda x: x.__setitem__("d2t", x["d2t"][:-4])), "d2t has shape"),
+    "d2t_out_of_range": (lambda d, t: _tensors(d, lambda x: x.__setitem__("d2t", x["d2t"] + 10_000)), "expected inside [0, 256)"),
+    "t2d_float": (lambda d, t: _tensors(d, lambda x: x.__setitem__("t2d", x["t2d"].float() * 0.5)), "t2d has dtype float32"),
+    "t2d_wrong_length": (lambda d, t: _tensors(d, lambda x: x.__setitem__("t2d", x["t2d"][:100])), "t2d has shape"),
+    "states_width": (lambda d, t: ["--states", _states(t, lambda s: setattr(s, "aux_hidden_states", s.aux_hidden_states[:, :-8]))],
+                     "aux_hidden_states width"),
+    "states_length": (lambda d, t: ["--states", _states(t, lambda s: setattr(s, "seq_lens", s.seq_lens + 1))], "must be positive and sum to"),
+    "states_missing": (lambda d, t: ["--states", t / "nope.safetensors"], "hidden-states file not found"),
+    "states_not_safetensors": (lambda d, t: ["--states", t / "tiny" / "target" / "config.json"], "not a readable safetensors file"),
+    "target_missing": (lambda d, t: ["--target", t / "no_target"], "no_target"),
+    "unknown_format": (lambda d, t: (d / "config.json").write_text(json.dumps({"model_type": "llama"})), "unknown checkpoint format"),
+    "pickle_refused": (lambda d, t: (torch.save(load_file(str(d / "model.safetensors")), d / "pytorch_model.bin"),
+                                     (d / "model.safetensors").unlink()), "pass --allow-pickle"),
+    "pickle_with_code": (lambda d, t: (torch.save({"x": torch.zeros(1), "f": shutil.rmtree}, d / "pytorch_model.bin"),
+                                       (d / "model.safetensors").unlink(), ["--allow-pickle"])[-1], "weights_only=True"),
+    "checkpoint_missing": (lambda d, t: shutil.rmtree(d), "checkpoint directory not found"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORPUS))
+def test_broken_input_is_one_line_exit_2_and_inputs_unchanged(tiny_copy, tmp_path, case):
+    break_it, words = CORPUS[case]
+    ckpt = tiny_copy / "speculators"
+    extra = break_it(ckpt, tmp_path)
+    extra = extra if isinstance(extra, list) else []
+    before = tree_hash(tmp_path)
+    out = tmp_path / "out"
+    proc = difftest("report", ckpt, *map(str, extra), "--no-audit-config", "--out", out)
+    assert proc.returncode == 2, (case, proc.stdout[-500:], proc.stderr[-2000:])
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("difftest: error:"), proc.stderr[-2000:]
+    assert words in lines[0], lines[0]
+    assert not out.exists() or not any(out.iterdir())
+    assert tree_hash(tmp_path) == before
+
+
+def test_pickled_weights_load_with_the_flag_and_give_the_same_verdict(tiny_copy, tmp_path):
+    ckpt = tiny_copy / "speculators"
+    torch.save(load_file(str(ckpt / "model.safetensors")), ckpt / "pytorch_model.bin")
+    (ckpt / "model.safetensors").unlink()
+    before = tree_hash(tiny_copy)
+    proc = difftest("report", ckpt, "--allow-pickle", "--no-audit-config", "--out", tmp_path / "out", "-q")
+    assert proc.returncode == 0 and proc.stdout.startswith("PARITY"), proc.stderr[-2000:]
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["checkpoint"]["path"] == str(ckpt)
+    assert tree_hash(tiny_copy) == before
+
+
+FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_safetensors_bytes_give_a_clean_error_or_a_checkpoint(tiny, tmp_path_factory, data):
+    from difftest.validate import validate_checkpoint
+
+    d = tmp_path_factory.mktemp("fz")
+    shutil.copytree(tiny / "speculators", d / "c")
+    f = d / "c" / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    # Header (length + JSON) and body both: flip bytes, or cut the file short.
+    for _ in range(data.draw(st.integers(1, 8))):
+        i = data.draw(st.integers(0, min(len(raw) - 1, data.draw(st.sampled_from([64, 512, len(raw) - 1])))))
+        raw[i] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        raw = raw[: data.draw(st.integers(0, len(raw)))]
+    f.write_bytes(bytes(raw))
+    try:
+        ckpt = load_checkpoint(d / "c")
+        validate_checkpoint(ckpt)
+        dict(ckpt.tensors())
+    except InputError:
+        pass
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats(allow_nan=True) | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                           max_leaves=6)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_configs_give_a_clean_error_or_a_checkpoint(tiny, tmp_path_factory, data):
+    from difftest.validate import validate_checkpoint
+
+    d = tmp_path_factory.mktemp("fzc")
+    shutil.copytree(tiny / "speculators", d / "c")
+    cfg = json.loads((d / "c" / "config.json").read_text())
+    for _ in range(data.draw(st.integers(1, 4))):
+        layer = cfg.get("transformer_layer_config")
+        node = layer if isinstance(layer, dict) and data.draw(st.booleans()) else cfg
+        if not isinstance(node, dict) or not node:
+            break
+        key = data.draw(st.sampled_from(sorted(node)))
+        if data.draw(st.booleans()):
+            node.pop(key)
+        else:
+            node[key] = data.draw(json_values)
+    (d / "c" / "config.json").write_text(json.dumps(cfg))
+    try:
+        validate_checkpoint(load_checkpoint(d / "c"))
+    except InputError:
+        pass
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_states_files_give_a_clean_error_or_states(tiny, tmp_path_factory, data):
+    d = tmp_path_factory.mktemp("fzs")
+    raw = bytearray((tiny / "states.safetensors").read_bytes())
+    for _ in range(data.draw(st.integers(1, 8))):
+        i = data.draw(st.integers(0, min(len(raw) - 1, data.draw(st.sampled_from([64, 1024, len(raw) - 1])))))
+        raw[i] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        raw = raw[: data.draw(st.integers(0, len(raw)))]
+    (d / "s.safetensors").write_bytes(bytes(raw))
+    try:
+        load_states(d / "s.safetensors")
+    except InputError:
+        pass
