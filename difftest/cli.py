@@ -71,6 +71,8 @@ def report(
     serve_without_aux_capture: bool = typer.Option(False, help="serving fault: feed SGLang the target's last state only"),
     serve_lm_head_from_target: bool = typer.Option(False, help="serving fault: set_embed_and_head with the target's head"),
     allow_pickle: bool = typer.Option(False, help="accept .bin/.pt weights, loaded with torch.load(weights_only=True)"),
+    baseline: Optional[Path] = typer.Option(None, help="an earlier report.json: exit 1 only if this run regressed against it"),
+    baseline_factor: float = typer.Option(2.0, help="with --baseline: how much a probe's error may grow"),
     audit_config: bool = typer.Option(True, "--audit-config/--no-audit-config",
                                       help="measure, field by field, whether SGLang honors the config (about 10 s more)"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="print only the verdict line"),
@@ -98,19 +100,34 @@ def report(
                 extra["training"] = json.loads(fx.training.read_text())
         else:
             jobs = [(checkpoint, out)]
+        old_report = None
+        if baseline is not None:
+            from difftest.report.baseline import load_baseline
+
+            if checkpoint is None:
+                fail("--baseline needs an explicit CKPT (a baseline describes one checkpoint)")
+            if not baseline_factor >= 1.0:
+                fail(f"--baseline-factor must be at least 1, got {baseline_factor}")
+            old_report = load_baseline(baseline)
         serving = ServingSetup(aux_capture=not serve_without_aux_capture, lm_head_from_target=serve_lm_head_from_target)
         codes = []
         for ckpt, out_dir in jobs:
+            base = {"report": old_report, "path": str(baseline), "factor": baseline_factor} if old_report else None
             rep, paths = _report_one(ckpt, target, states, torch_dtype, device, out_dir, max_tokens, serving, extra,
-                                     audit_config, allow_pickle)
+                                     audit_config, allow_pickle, base)
             first = rep["first_divergence"]
             diag = rep["diagnosis"]
             line = rep["verdict"] + (f": first divergence at {first['probe']} ({diag['cause']})" if first else
                                      f": audit found {diag['cause']} (probes agree)" if diag else "")
             typer.echo(f"{line}  [{rep['checkpoint']['format']}: {ckpt}]" if len(jobs) > 1 else line)
             if not quiet:
-                typer.echo(f"wrote {paths['json']} and {paths['md']}")
-            codes.append(EXIT_PARITY if rep["verdict"] == "PARITY" else EXIT_DIVERGED)
+                typer.echo(f"wrote {paths['json']}, {paths['md']} and {paths['html']}")
+            if base:
+                found = rep["baseline"]["regressions"]
+                typer.echo(f"baseline: {len(found)} regression(s) against {baseline}" + "".join(f"\n  {r}" for r in found))
+                codes.append(EXIT_DIVERGED if found else EXIT_PARITY)
+            else:
+                codes.append(EXIT_PARITY if rep["verdict"] == "PARITY" else EXIT_DIVERGED)
     except InputError as exc:
         fail(str(exc))
     except typer.Exit:
@@ -123,7 +140,7 @@ def report(
 
 
 def _report_one(ckpt, target, states, dtype, device, out_dir, max_tokens, serving, extra, audit_config=False,
-                allow_pickle=False):
+                allow_pickle=False, base=None):
     from difftest import pipeline
     from difftest.report import build_report, write_reports
 
@@ -131,6 +148,11 @@ def _report_one(ckpt, target, states, dtype, device, out_dir, max_tokens, servin
     result = pipeline.run(inputs, dtype=dtype or inputs.checkpoint.stored_dtype(), device=device, serving=serving,
                           audit_config=audit_config)
     rep = build_report(result, command=["difftest", *sys.argv[1:]], extra=extra)
+    if base:
+        from difftest.report.baseline import regressions
+
+        rep["baseline"] = {"path": base["path"], "factor": base["factor"],
+                           "regressions": regressions(rep, base["report"], base["factor"])}
     return rep, write_reports(rep, out_dir)
 
 

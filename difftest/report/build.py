@@ -186,6 +186,11 @@ def render_markdown(report: dict) -> str:
     lines += ["", "## Timings (s)", "", "| engine | import | load | forward |", "|---|---|---|---|",
               f"| speculators | {_fmt(ref_t.get('import', 0))} | {_fmt(ref_t.get('load', 0))} | {_fmt(ref_t.get('forward', 0))} |",
               f"| sglang | {_fmt(cand_t.get('import', 0))} | {_fmt(cand_t.get('load', 0))} | {_fmt(cand_t.get('forward', 0))} |", ""]
+    if report.get("baseline"):
+        b = report["baseline"]
+        lines += ["## Baseline", "", f"Against `{b['path']}` (factor {b['factor']}): "
+                  + ("no regressions." if not b["regressions"] else f"{len(b['regressions'])} regression(s):"), ""]
+        lines += [f"- {r}" for r in b["regressions"]] + [""]
     if report.get("command"):
         lines += ["## Reproduce", "", "```", " ".join(report["command"]), "```", ""]
     return "\n".join(lines)
@@ -196,6 +201,10 @@ def atomic_write(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        # mkstemp makes the file private; a report is an ordinary file, so honor the umask.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -206,7 +215,11 @@ def write_reports(report: dict, out_dir: str | Path) -> dict[str, Path]:
     validate_report(report)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "report.json", "md": out / "report.md"}
-    atomic_write(paths["json"], json.dumps(report, indent=2) + "\n")
-    atomic_write(paths["md"], render_markdown(report))
+    from difftest.report.html import render_html
+
+    paths = {"json": out / "report.json", "md": out / "report.md", "html": out / "report.html"}
+    # Render everything before writing anything: a failure leaves the old reports whole.
+    texts = {"json": json.dumps(report, indent=2) + "\n", "md": render_markdown(report), "html": render_html(report)}
+    for key, path in paths.items():
+        atomic_write(path, texts[key])
     return paths

@@ -1,0 +1,195 @@
+"""report.html: one self-contained page (inline CSS, the plot as an inline PNG), read from
+the same dict report.json holds, so the two can never disagree."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+
+from difftest.probes import PROBES, ProbeKind
+
+# An exact zero has no place on a log axis; draw it at the bottom edge and say so.
+LOG_FLOOR = 1e-12
+
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:0;color:#1b1f24;background:#fff}
+main{max-width:1100px;margin:0 auto;padding:0 24px 48px}
+.banner{padding:18px 24px;color:#fff;font-size:28px;font-weight:700}
+.banner.PARITY{background:#1f7a3a}.banner.DIVERGED{background:#b3261e}
+.banner small{display:block;font-size:15px;font-weight:400;opacity:.95;margin-top:4px}
+h2{margin-top:32px;border-bottom:1px solid #d0d7de;padding-bottom:4px}
+.diag{background:#fff4e5;border-left:6px solid #d9822b;padding:12px 16px;margin-top:20px}
+.fix{background:#eef6ff;border-left:6px solid #2f6fb3;padding:10px 16px;margin-top:10px}
+table{border-collapse:collapse;width:100%;font-size:13px;margin-top:8px}
+th,td{border:1px solid #d0d7de;padding:4px 8px;text-align:left;vertical-align:top}
+th{background:#f6f8fa}
+tr.first td{background:#ffe3e0;font-weight:600}
+td.fail,td.missing,td.shape_mismatch,td.error{color:#b3261e;font-weight:700}
+td.pass{color:#1f7a3a}
+td.benign{color:#8a6d00}
+code,pre{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px}
+pre{background:#f6f8fa;padding:10px;overflow-x:auto}
+img.plot{max-width:100%;border:1px solid #d0d7de}
+"""
+
+
+def _e(x) -> str:
+    return html.escape(str(x))
+
+
+def _fmt(x) -> str:
+    return f"{x:.3g}" if isinstance(x, float) else _e(x)
+
+
+def _table(headers: list[str], rows: list[list], row_classes: list[str] | None = None, cell_classes=None) -> str:
+    out = ["<table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in headers) + "</tr>"]
+    for i, row in enumerate(rows):
+        cls = f' class="{row_classes[i]}"' if row_classes and row_classes[i] else ""
+        cells = []
+        for j, cell in enumerate(row):
+            cc = cell_classes(i, j, cell) if cell_classes else ""
+            cells.append(f'<td class="{cc}">{cell}</td>' if cc else f"<td>{cell}</td>")
+        out.append(f"<tr{cls}>" + "".join(cells) + "</tr>")
+    return "\n".join(out + ["</table>"])
+
+
+def error_plot_png(report: dict) -> bytes:
+    """Each activation probe's rel_max and rel_diff against its tolerance, dataflow order, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = {p.name: p.kind for p in PROBES}
+    rows = [p for p in report["probes"] if kinds.get(p["probe"]) is ProbeKind.ACTIVATION]
+    names = [p["probe"] for p in rows]
+    first = (report.get("first_divergence") or {}).get("probe")
+    tol = report["tolerance"]
+    fig, ax = plt.subplots(figsize=(11, 4.2), dpi=110)
+    x = range(len(rows))
+    for key, marker, color, tol_key in (("rel_max", "o", "#2f6fb3", "rel_max"), ("rel_diff", "s", "#d9822b", "rel_diff")):
+        ys = []
+        for p in rows:
+            v = p["metrics"].get(key)
+            # A probe one engine never computed is a gap in the line, labelled below.
+            ys.append(float("nan") if v is None or v != v else max(v, LOG_FLOOR))
+        ax.plot(list(x), ys, marker=marker, color=color, label=f"{key} (engines' difference)")
+        ax.axhline(tol[tol_key], color=color, linestyle="--", linewidth=1, label=f"{key} tolerance {tol[tol_key]:g}")
+    for i, p in enumerate(rows):
+        if p["status"] in ("missing", "shape_mismatch"):
+            ax.annotate(p["status"].replace("_", " "), (i, LOG_FLOOR), textcoords="offset points", xytext=(0, 12),
+                        ha="center", color="#b3261e", fontsize=8)
+    if first in names:
+        i = names.index(first)
+        ax.axvspan(i - 0.4, i + 0.4, color="#b3261e", alpha=0.15, label=f"first divergence: {first}")
+    ax.set_yscale("log")
+    ax.set_xticks(list(x), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(f"relative error (zeros drawn at {LOG_FLOOR:g})")
+    ax.set_title(f"Probe error vs tolerance ({tol['dtype']}), dataflow order")
+    ax.grid(True, which="major", axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def render_html(report: dict) -> str:
+    verdict = report["verdict"]
+    diag = report.get("diagnosis")
+    first = report.get("first_divergence")
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>difftest: {_e(verdict)}</title>"
+             f"<style>{CSS}</style></head><body>"]
+    sub = ""
+    if diag:
+        where = f"first divergence at {diag['probe']}" if diag.get("probe") else "found by the audit; the probes agree"
+        sub = f"{diag['cause']} ({where})"
+    else:
+        sub = f"every probe agrees within the {report['tolerance']['dtype']} tolerance; no audit errors"
+    parts.append(f"<div class='banner {_e(verdict)}' id='verdict'>{_e(verdict)}<small>{_e(sub)}</small></div><main>")
+    if diag:
+        parts.append(f"<div class='diag'><b>Root cause: <code>{_e(diag['cause'])}</code></b><p>{_e(diag['explanation'])}</p>")
+        if diag.get("evidence"):
+            parts.append("<ul>" + "".join(f"<li>{_e(e)}</li>" for e in diag["evidence"]) + "</ul>")
+        if diag.get("also"):
+            parts.append(f"<p>Other audit errors: {_e(', '.join(diag['also']))}</p>")
+        parts.append(f"</div><div class='fix'><b>Fix:</b> {_e(diag['fix'])}</div>")
+    ck = report["checkpoint"]
+    parts.append(f"<p>Checkpoint <code>{_e(ck['path'])}</code> ({_e(ck['format'])} format), "
+                 f"{report['inputs']['num_tokens']} tokens in {report['inputs'].get('num_requests', '?')} requests, "
+                 f"dtype {_e(report['tolerance']['dtype'])}, device {_e(report['environment']['device'])}.</p>")
+
+    png = base64.b64encode(error_plot_png(report)).decode()
+    parts.append(f"<h2>Probe error against tolerance</h2><img class='plot' alt='probe error plot' src='data:image/png;base64,{png}'>")
+
+    rows, classes = [], []
+    for p in report["probes"]:
+        m = p["metrics"]
+        rows.append([f"<code>{_e(p['probe'])}</code>", _e(p["status"]), _fmt(m.get("rel_max", "")), _fmt(m.get("rel_diff", "")),
+                     _fmt(m.get("cosine", "")), _fmt(m.get("agreement", "")),
+                     _e(", ".join(f"{k}={v:.3g}" for k, v in p["would_pass_at"].items())), _e(p["detail"])])
+        classes.append("first" if first and p["probe"] == first["probe"] else "")
+    parts.append("<h2>Probes (dataflow order)</h2>" + _table(
+        ["probe", "status", "rel_max", "rel_diff", "cosine", "agreement", "would pass at", "detail"], rows, classes,
+        lambda i, j, c: report["probes"][i]["status"] if j == 1 else ""))
+    tol = report["tolerance"]
+    parts.append(f"<p>Tolerance ({_e(tol['dtype'])}): rel_max {tol['rel_max']}, rel_diff {tol['rel_diff']}, "
+                 f"token near-tie margin {tol['near_tie_margin']}.</p>")
+
+    for key, title in (("acceptance", "Acceptance"), ("training", "Training")):
+        if report.get(key):
+            parts.append(f"<h2>{title}</h2>" + _table(["figure", "value"],
+                                                       [[_e(k), _fmt(v)] for k, v in report[key].items()]))
+
+    audit = report.get("audit") or {}
+    if audit.get("findings"):
+        parts.append("<h2>Audit findings</h2>" + _table(
+            ["check", "severity", "cause", "finding", "measured"],
+            [[_e(f["check"]), _e(f["severity"]), f"<code>{_e(f['cause'])}</code>", _e(f["message"]),
+              _e(json.dumps(f.get("measured") or {}, default=str)[:300])] for f in audit["findings"]],
+            cell_classes=lambda i, j, c: audit["findings"][i]["severity"] if j == 1 else ""))
+    cap = audit.get("capture")
+    if cap:
+        parts.append("<h2>Target capture (HF hidden_states ids)</h2>" + _table(
+            ["side", "layers"],
+            [["training data (states file)", _e(cap["states_hf_ids"])],
+             ["speculators resolves", _e(cap["training"]["hf_layer_ids"])],
+             [_e(f"{cap['serving']['target_class']} would capture"), _e(cap["serving"]["hf_layer_ids"])]]))
+        parts.append("<ul>" + "".join(f"<li><code>{_e(s)}</code></li>" for s in cap["serving"]["steps"]) + "</ul>")
+    if audit.get("conversion"):
+        parts.append("<h2>Config translation (training config → serving config)</h2>" + _table(
+            ["field", "training", "serving", "carried"],
+            [[_e(r["field"]), f"<code>{_e(r['training'])}</code>", f"<code>{_e(r['serving'])}</code>",
+              "yes" if r["carried"] else "<b>no</b>"] for r in audit["conversion"]]))
+    if audit.get("config"):
+        parts.append("<h2>Config fields: does SGLang honor them? (measured)</h2>" + _table(
+            ["field", "value", "verdict", "speculators effect", "sglang effect"],
+            [[_e(r["field"]), f"<code>{_e(r['value'])}</code>", _e(r["verdict"]), _fmt(r.get("speculators_effect", "")),
+              _fmt(r.get("sglang_effect", ""))] for r in audit["config"]]))
+    ledgers = audit.get("ledgers")
+    if ledgers:
+        ref_t, cand_t = ledgers["reference"]["tensors"], ledgers["candidate"]["tensors"]
+
+        def cell(t):
+            return "-" if not t else _e(f"{t['fate']} → {', '.join(t['into'])}" if t.get("into") else t["fate"])
+
+        parts.append("<h2>Load ledger</h2>" + _table(
+            ["checkpoint tensor", "speculators", "sglang"],
+            [[f"<code>{_e(n)}</code>", cell(ref_t.get(n)), cell(cand_t.get(n))] for n in sorted(set(ref_t) | set(cand_t))],
+            cell_classes=lambda i, j, c: "error" if j and "dropped" in c else ""))
+    if report.get("baseline"):
+        b = report["baseline"]
+        parts.append(f"<h2>Baseline</h2><p>Against <code>{_e(b['path'])}</code> (factor {b['factor']}): "
+                     f"{'no regressions' if not b['regressions'] else ''}</p>")
+        if b["regressions"]:
+            parts.append("<ul>" + "".join(f"<li>{_e(r)}</li>" for r in b["regressions"]) + "</ul>")
+    env = report["environment"]
+    parts.append("<h2>Environment</h2><p>" + _e(", ".join(f"{k} {v}" for k, v in env["packages"].items())) +
+                 f", python {_e(env['python'])}</p>")
+    if report.get("command"):
+        parts.append(f"<h2>Reproduce</h2><pre id='command'>{_e(' '.join(report['command']))}</pre>")
+    parts.append("</main></body></html>")
+    return "\n".join(parts)
