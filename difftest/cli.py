@@ -114,7 +114,7 @@ def report(
         for ckpt, out_dir in jobs:
             base = {"report": old_report, "path": str(baseline), "factor": baseline_factor} if old_report else None
             rep, paths = _report_one(ckpt, target, states, torch_dtype, device, out_dir, max_tokens, serving, extra,
-                                     audit_config, allow_pickle, base)
+                                     audit_config, allow_pickle, base, not quiet)
             first = rep["first_divergence"]
             diag = rep["diagnosis"]
             line = rep["verdict"] + (f": first divergence at {first['probe']} ({diag['cause']})" if first else
@@ -140,13 +140,18 @@ def report(
 
 
 def _report_one(ckpt, target, states, dtype, device, out_dir, max_tokens, serving, extra, audit_config=False,
-                allow_pickle=False, base=None):
+                allow_pickle=False, base=None, show_progress=False):
     from difftest import pipeline
     from difftest.report import build_report, write_reports
 
+    from difftest.progress import steps
+
+    # Bad input fails inside prepare, before any progress line: its error stays the only line.
     inputs = pipeline.prepare(ckpt, target, states, max_tokens=max_tokens, allow_pickle=allow_pickle)
-    result = pipeline.run(inputs, dtype=dtype or inputs.checkpoint.stored_dtype(), device=device, serving=serving,
-                          audit_config=audit_config)
+    with steps(show_progress) as step:
+        result = pipeline.run(inputs, dtype=dtype or inputs.checkpoint.stored_dtype(), device=device, serving=serving,
+                              audit_config=audit_config, on_step=step)
+        step("writing reports")
     rep = build_report(result, command=["difftest", *sys.argv[1:]], extra=extra)
     if base:
         from difftest.report.baseline import regressions

@@ -6,6 +6,7 @@ The report module renders what this returns; nothing here formats text.
 from __future__ import annotations
 
 import time
+from typing import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,24 +114,30 @@ def run(
     candidate: EngineAdapter | None = None,
     measure_noise: bool | None = None,
     audit_config: bool = False,
+    on_step: Callable[[str], None] = lambda _msg: None,
 ) -> RunResult:
     reference = reference or reference_adapter()
     candidate = candidate or candidate_adapter()
     options = RunOptions(dtype=dtype, device=device, serving=serving)
     t0 = time.perf_counter()
+    on_step(f"{reference.name}: load and forward")
     ref_run = reference.run(inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=dtype, device=device))
+    on_step(f"{candidate.name}: load and forward")
     cand_run = candidate.run(inputs.checkpoint, inputs.target, inputs.states, options)
     floor = None
     if measure_noise if measure_noise is not None else dtype != torch.float32:
+        on_step(f"{reference.name}: fp32 run for the noise floor")
         full = reference.run(inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=torch.float32, device=device))
         floor = noise_floor(ref_run, full)
     tol = tolerance_for(dtype)
     comparison = compare_runs(ref_run.probes, cand_run.probes, tol, {**ref_run.missing, **cand_run.missing})
+    on_step("audit: ledgers, vocab, config translation, target capture")
     findings, conversion_rows, capture = audit(inputs, reference, candidate, ref_run, cand_run, options)
     rows = None
     if audit_config:
         from difftest.audit.config import audit_config as run_config_audit
 
+        on_step("audit: measuring each config field in both engines")
         rows, config_findings = run_config_audit(inputs.checkpoint, inputs.target, inputs.states, reference, candidate, options)
         findings += config_findings
     return RunResult(
