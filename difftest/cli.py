@@ -212,6 +212,69 @@ def selftest(
     raise typer.Exit(EXIT_PARITY if score.ok else EXIT_DIVERGED)
 
 
+@app.command()
+def fuzz(
+    examples: int = typer.Option(50, help="how many drafted configs to run through both engines"),
+    dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 (default: drawn per example)"),
+    seed: int = typer.Option(0, help="Hypothesis seed: the same seed explores the same cases"),
+    shrink_budget: int = typer.Option(60, help="examples Hypothesis may spend shrinking each distinct divergence"),
+    out: Path = typer.Option(Path("reports/fuzz"), help="where fuzz.json goes"),
+    save_regressions: bool = typer.Option(False, help="write each shrunk divergence to fixtures/regressions/"),
+    quiet: bool = typer.Option(False, "-q", "--quiet", help="print only the summary"),
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="show engine logs and tracebacks"),
+) -> None:
+    """Draw draft configs and vocab mappings with Hypothesis, run both engines, shrink each distinct divergence."""
+    quiet_engines(verbose)
+    if examples < 1:
+        fail(f"--examples must be at least 1, got {examples}")
+    if dtype is not None and dtype not in ("fp32", "bf16"):
+        fail(f"--dtype must be fp32 or bf16, got {dtype!r}")
+    import json as _json
+
+    from difftest import fuzz as fz
+    from difftest.progress import steps
+    from difftest.report.build import atomic_write
+
+    try:
+        with steps(not quiet, "difftest fuzz") as step:
+            count = [0]
+
+            def seen(o) -> None:
+                count[0] += 1
+                step(f"{count[0]}/{examples} {o.verdict} {o.cause or ''} {o.first_divergence or ''}".rstrip())
+
+            summary = fz.explore(examples, seed=seed, dtype=dtype, on_outcome=seen)
+            for sig in sorted({o.signature for o in summary.outcomes if o.verdict == "DIVERGED"}, key=str):
+                step(f"shrinking {sig[1]} at {sig[2]}")
+                minimal = fz.shrink(sig, budget=shrink_budget, seed=seed, dtype=dtype)
+                if minimal is not None:
+                    summary.minimal[sig] = minimal
+    except Exception as exc:
+        if verbose:
+            raise
+        fail(f"internal error: {type(exc).__name__}: {exc} (rerun with -v for the traceback)", EXIT_INTERNAL)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"examples": len(summary.outcomes), "seconds": summary.seconds, "examples_per_minute": summary.examples_per_minute,
+           "signatures": [{"verdict": v, "cause": c, "first_divergence": p, "count": n}
+                          for (v, c, p), n in sorted(summary.signatures.items(), key=str)],
+           "unexplained": [list(s) for s in summary.unexplained],
+           "minimal": [m.as_dict() for m in summary.minimal.values()],
+           "outcomes": [o.as_dict() for o in summary.outcomes]}
+    atomic_write(out / "fuzz.json", _json.dumps(doc, indent=2, default=str) + "\n")
+    written = [str(fz.write_regression(m)) for m in summary.minimal.values()] if save_regressions else []
+    typer.echo(f"fuzz: {len(summary.outcomes)} examples in {summary.seconds:.0f}s ({summary.examples_per_minute:.1f}/min), "
+               f"{len(summary.signatures)} distinct outcomes, {len(summary.unexplained)} unexplained")
+    if not quiet:
+        for row in doc["signatures"]:
+            typer.echo(f"  {row['count']:4d}  {row['verdict']:8s} {row['cause'] or '-'} at {row['first_divergence'] or '-'}")
+        for m in summary.minimal.values():
+            case = {k: v for k, v in m.case.items() if k != "seed"}
+            typer.echo(f"  minimal {m.cause} at {m.first_divergence}: {_json.dumps(case)}")
+        for path in written:
+            typer.echo(f"  wrote {path}")
+    raise typer.Exit(EXIT_DIVERGED if summary.unexplained else EXIT_PARITY)
+
+
 @app.command("build-fixtures")
 def build_fixtures(
     which: str = typer.Argument("tiny", help="tiny | default"),

@@ -76,6 +76,16 @@ RULES: tuple[Rule, ...] = (
     Rule("embedding_not_shared", findings=("embedding_not_shared",),
          explanation="The serving draft kept its own randomly initialized embedding: the target's was never shared with it.",
          fix="Share the target embedding (set_embed needs target_hidden_size == hidden_size), or ship embed_tokens in the checkpoint."),
+    Rule("fc_skipped_by_width_check", findings=("fc_skipped_by_width_check",),
+         explanation=("Aux capture is on, but the aux concatenation (aux layers x target hidden) is exactly as wide as "
+                      "the draft's embedding, so SGLang's check `hidden_states.shape[-1] != embeds.shape[-1]` is "
+                      "false and fc is skipped: the draft's fc weights are never used. A single aux layer with "
+                      "target_hidden_size == hidden_size always hits this."),
+         fix="Use more than one aux layer (EAGLE-3 uses three), or a draft hidden size different from the aux width."),
+    Rule("dynamic_rope_scaling_differs", findings=("dynamic_rope_scaling_differs",), probes=("layer0.attn_output",),
+         explanation=("The draft uses dynamic NTK rope scaling, which transformers applies only beyond the original "
+                      "context length and SGLang applies at every length: attention differs from layer 0 on."),
+         fix="Train and serve the draft without dynamic rope scaling (linear or none), or serve it with the same rope implementation it was trained with."),
     Rule("aux_capture_off_fc_skipped", probes=("fc.input", "fc.output"), statuses=(Status.MISSING, Status.SHAPE),
          explanation=(
              "The serving draft received a hidden state as wide as its embedding, so SGLang's check "

@@ -6,10 +6,32 @@ user's checkpoint they fail as usual, because there they are the user's problem.
 
 from __future__ import annotations
 
+from typing import Callable
+
+from difftest.audit.findings import Finding, Severity
+from difftest.checkpoint import Checkpoint
+
 KNOWN_UPSTREAM_DIVERGENCES: dict[str, str] = {
     "norm_before_residual_ignored": (
         "speculators' trainer defaults to norm_before_residual=true; sglang 0.5.23's "
         "LlamaForCausalLMEagle3 input layer always keeps the un-normed hidden state as the "
         "residual (llama_eagle3.py, LlamaDecoderLayer.forward) and reads no such flag."
     ),
+    "dynamic_rope_scaling_differs": (
+        "found by difftest fuzz (fixtures/regressions/): with rope_type dynamic, transformers' "
+        "dynamic NTK rotary embedding (speculators' layers) rescales only past the original "
+        "max_position_embeddings, while sglang 0.5.23's DynamicNTKScalingRotaryEmbedding uses the "
+        "scaled base at every length, so attention differs on ordinary-length requests."
+    ),
 }
+
+# cause -> (does this checkpoint have the feature?, what the user should know)
+_TRIGGERS: dict[str, Callable[[Checkpoint], bool]] = {
+    "dynamic_rope_scaling_differs": lambda c: (c.spec.rope_scaling or {}).get("rope_type", (c.spec.rope_scaling or {}).get("type")) == "dynamic",
+}
+
+
+def check_known_divergences(ckpt: Checkpoint) -> list[Finding]:
+    """Findings for features whose upstream divergence is known but has no measured audit."""
+    return [Finding("known", cause, Severity.ERROR, KNOWN_UPSTREAM_DIVERGENCES[cause])
+            for cause, applies in _TRIGGERS.items() if applies(ckpt)]

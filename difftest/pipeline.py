@@ -152,6 +152,7 @@ def audit(inputs: RunInputs, reference: EngineAdapter, candidate: EngineAdapter,
           cand_run: EngineRun, options: RunOptions) -> tuple[list, list[dict], dict]:
     """The checks settled before the first matmul: ledgers, vocab mapping, config translation, capture."""
     from difftest.audit.capture import check_capture
+    from difftest.audit.findings import Finding, Severity
     from difftest.audit.conversion import check_conversion
     from difftest.audit.ledger import check_ledgers
     from difftest.audit.vocab import check_vocab
@@ -161,7 +162,18 @@ def audit(inputs: RunInputs, reference: EngineAdapter, candidate: EngineAdapter,
     conversion_rows, conversion_findings = check_conversion(ckpt, cand_run.details.get("served_config", ckpt.config))
     serving_plan = candidate.capture_plan(ckpt, inputs.target, options)
     training_plan = reference.capture_plan(ckpt, inputs.target, RunOptions(dtype=options.dtype, device=options.device))
-    findings += conversion_findings + check_capture(serving_plan, training_plan, inputs.states)
+    capture_findings = check_capture(serving_plan, training_plan, inputs.states)
+    if "fc.output" in cand_run.missing and not capture_findings:
+        # Capture is right, yet the serving engine skipped fc: the widths happen to match.
+        width = len(inputs.states.aux_layer_ids) * ckpt.spec.target_hidden_size
+        capture_findings.append(Finding("capture", "fc_skipped_by_width_check", Severity.ERROR,
+                                        f"{len(inputs.states.aux_layer_ids)} aux layer(s) x target hidden "
+                                        f"{ckpt.spec.target_hidden_size} = {width} equals the draft's hidden size, so "
+                                        f"{cand_run.engine} skipped fc: {cand_run.missing['fc.output']}",
+                                        {"aux_width": width, "hidden_size": ckpt.spec.hidden_size}))
+    from difftest.known_divergences import check_known_divergences
+
+    findings += conversion_findings + capture_findings + check_known_divergences(ckpt)
     capture = {"serving": serving_plan.as_dict(), "training": training_plan.as_dict(),
                "states_hf_ids": list(inputs.states.aux_layer_ids)}
     return findings, conversion_rows, capture
