@@ -82,6 +82,11 @@ RULES: tuple[Rule, ...] = (
                       "false and fc is skipped: the draft's fc weights are never used. A single aux layer with "
                       "target_hidden_size == hidden_size always hits this."),
          fix="Use more than one aux layer (EAGLE-3 uses three), or a draft hidden size different from the aux width."),
+    Rule("multi_layer_draft_differs", findings=("multi_layer_draft_differs",), probes=("final_norm", "logits"),
+         explanation=("The draft has more than one decoder layer. Layer 0 agrees, but SGLang builds every layer as an "
+                      "EAGLE-3 first layer (fed embeddings and hidden state) while speculators' later layers read the "
+                      "hidden state alone, so the layers after the first compute different functions."),
+         fix="Serve single-layer EAGLE-3 drafts on SGLang 0.5.23, or a serving build whose later draft layers match speculators'."),
     Rule("dynamic_rope_scaling_differs", findings=("dynamic_rope_scaling_differs",), probes=("layer0.attn_output",),
          explanation=("The draft uses dynamic NTK rope scaling, which transformers applies only beyond the original "
                       "context length and SGLang applies at every length: attention differs from layer 0 on."),

@@ -23,10 +23,17 @@ KNOWN_UPSTREAM_DIVERGENCES: dict[str, str] = {
         "max_position_embeddings, while sglang 0.5.23's DynamicNTKScalingRotaryEmbedding uses the "
         "scaled base at every length, so attention differs on ordinary-length requests."
     ),
+    "multi_layer_draft_differs": (
+        "found by difftest fuzz (fixtures/regressions/): sglang 0.5.23's LlamaForCausalLMEagle3 builds "
+        "every decoder layer as the EAGLE-3 first layer, fed [embeddings, hidden state], while "
+        "speculators' layers after the first read only the hidden state; layer 0 agrees and the "
+        "output of a draft with more than one layer does not."
+    ),
 }
 
 # cause -> (does this checkpoint have the feature?, what the user should know)
 _TRIGGERS: dict[str, Callable[[Checkpoint], bool]] = {
+    "multi_layer_draft_differs": lambda c: c.spec.num_hidden_layers > 1,
     "dynamic_rope_scaling_differs": lambda c: (c.spec.rope_scaling or {}).get("rope_type", (c.spec.rope_scaling or {}).get("type")) == "dynamic",
 }
 

@@ -50,10 +50,14 @@ def validate_shapes(ckpt: Checkpoint) -> None:
     _expect(ckpt, "embed_tokens.weight", (s.target_vocab_size, H), "vocab_size x hidden_size")
     _expect(ckpt, "lm_head.weight", (s.draft_vocab_size, H), "draft_vocab_size x hidden_size")
     _expect(ckpt, "fc.weight", (H, s.num_aux * s.target_hidden_size), "hidden_size x (aux layers x target_hidden_size)")
-    _expect(ckpt, "self_attn.q_proj.weight", (s.num_attention_heads * D, 2 * H),
-            "num_attention_heads x head_dim, by 2 x hidden_size (embedding and hidden state)")
-    _expect(ckpt, "self_attn.k_proj.weight", (s.num_key_value_heads * D, 2 * H), "num_key_value_heads x head_dim, by 2 x hidden_size")
-    _expect(ckpt, "self_attn.v_proj.weight", (s.num_key_value_heads * D, 2 * H), "num_key_value_heads x head_dim, by 2 x hidden_size")
+    for proj, heads in (("q_proj", s.num_attention_heads), ("k_proj", s.num_key_value_heads), ("v_proj", s.num_key_value_heads)):
+        for name, shape in _rows(ckpt, f"self_attn.{proj}.weight"):
+            # Only the first decoder layer reads [embedding, hidden state]; later layers read the hidden state.
+            first = name.startswith(("layers.0.", "midlayer."))
+            want = (heads * D, 2 * H if first else H)
+            if tuple(shape) != want:
+                raise InputError(f"{ckpt.path}: {name} has shape {list(shape)}, expected {list(want)} "
+                                 f"(heads x head_dim, by {'2 x ' if first else ''}hidden_size)")
     _expect(ckpt, "self_attn.o_proj.weight", (H, s.num_attention_heads * D), "hidden_size x num_attention_heads x head_dim")
     _expect(ckpt, "mlp.gate_proj.weight", (s.intermediate_size, H), "intermediate_size x hidden_size")
     _expect(ckpt, "mlp.down_proj.weight", (H, s.intermediate_size), "hidden_size x intermediate_size")
