@@ -57,6 +57,8 @@ def cases(draw) -> dict:
         "norm_before_residual": draw(st.booleans()),
         "norm_before_fc": norm_before_fc,
         "fc_norm": False if norm_before_fc else draw(st.booleans()),
+        "norm_output": draw(st.booleans()),
+        "tie_word_embeddings": draw(st.booleans()),
         "aux_layer_ids": aux_ids,
         "target_hidden_size": draw(st.sampled_from([hidden, hidden, 2 * hidden])),
         "target_vocab_size": vocab,
@@ -119,12 +121,13 @@ def build_case(case: dict, root: Path) -> tuple[Path, Path, Path]:
         hidden_size=case["hidden_size"], intermediate_size=case["intermediate_size"], num_hidden_layers=case["num_layers"],
         num_attention_heads=case["num_attention_heads"], num_key_value_heads=case["num_key_value_heads"],
         head_dim=case["head_dim"], vocab_size=V, rms_norm_eps=case["rms_norm_eps"], max_position_embeddings=256,
-        rope_theta=case["rope_theta"], tie_word_embeddings=False,
+        rope_theta=case["rope_theta"], tie_word_embeddings=case.get("tie_word_embeddings", False),
         rope_scaling=dict(case["rope_scaling"]) if case["rope_scaling"] else None)
     layer._attn_implementation = "sdpa"
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=_draft_vocab_size(case),
         norm_before_residual=case["norm_before_residual"], norm_before_fc=case["norm_before_fc"], fc_norm=case["fc_norm"],
+        norm_output=case.get("norm_output", False),
         target_hidden_size=None if Ht == case["hidden_size"] else Ht,
         eagle_aux_hidden_state_layer_ids=list(case["aux_layer_ids"]),
         speculators_config=SpeculatorsConfig(
