@@ -63,7 +63,7 @@ def parse_dtype(name: str):
 def report(
     checkpoint: Optional[Path] = typer.Argument(None, help="draft checkpoint dir (default: the embedded SmolLM2 fixture)"),
     target: Optional[Path] = typer.Option(None, help="HF target model dir (embedding, head, norm)"),
-    states: Optional[Path] = typer.Option(None, help="captured hidden-states file (difftest states format)"),
+    states: Optional[Path] = typer.Option(None, help="captured hidden states: a difftest states file, a speculators datagen directory, or SGLang server responses (.json/.jsonl)"),
     dtype: str = typer.Option("auto", help="auto (the checkpoint's stored dtype) | fp32 | bf16 | fp16"),
     device: str = typer.Option("cpu", help="cpu | cuda"),
     out: Path = typer.Option(Path("reports"), help="output directory"),
@@ -147,7 +147,7 @@ def _report_one(ckpt, target, states, dtype, device, out_dir, max_tokens, servin
     from difftest.progress import steps
 
     # Bad input fails inside prepare, before any progress line: its error stays the only line.
-    inputs = pipeline.prepare(ckpt, target, states, max_tokens=max_tokens, allow_pickle=allow_pickle)
+    inputs = pipeline.prepare(ckpt, target, states, max_tokens=max_tokens, allow_pickle=allow_pickle, device=device)
     with steps(show_progress) as step:
         result = pipeline.run(inputs, dtype=dtype or inputs.checkpoint.stored_dtype(), device=device, serving=serving,
                               audit_config=audit_config, on_step=step)

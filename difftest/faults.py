@@ -122,7 +122,7 @@ def _verbatim_aux_ids(ws: Workspace) -> None:
 
 def _trained_in_reverse_order(ws: Workspace) -> None:
     st = ws.states
-    H = st.verifier_last_hidden_states.shape[-1]
+    H = st.target_hidden_size
     ws.states = replace(st, aux_layer_ids=tuple(reversed(st.aux_layer_ids)),
                         aux_hidden_states=torch.cat(st.aux_hidden_states.split(H, dim=-1)[::-1], dim=-1))
     ws.edit_config(lambda c: c["eagle_aux_hidden_state_layer_ids"].reverse())

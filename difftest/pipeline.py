@@ -85,14 +85,32 @@ def resolve_states(ckpt: Checkpoint, states: str | Path | None) -> Path:
     raise InputError(f"{ckpt.origin}: no captured hidden states found; pass --states FILE")
 
 
-def prepare(ckpt_path, target=None, states=None, max_tokens: int | None = None, allow_pickle: bool = False) -> RunInputs:
+def read_states(path: Path, ckpt: Checkpoint, tgt: TargetWeights, device: str = "cpu") -> tuple[CapturedStates, str]:
+    """Any supported layout. Foreign layouts don't record which layers they hold: they hold
+    what their producer's capture config resolves for this draft, so that is what is assumed."""
+    from difftest.readers import StatesLayout, detect_layout, read_datagen, read_sglang_server
+
+    layout = detect_layout(path)
+    if layout == StatesLayout.DIFFTEST:
+        return load_states(path), str(path)
+    options = RunOptions(device=device)
+    training_ids = reference_adapter().capture_plan(ckpt, tgt, options).hf_layer_ids
+    if layout == StatesLayout.DATAGEN:
+        return read_datagen(path, training_ids), f"{path} ({layout}, layers {training_ids} from the training capture plan)"
+    serving_ids = candidate_adapter().capture_plan(ckpt, tgt, options).hf_layer_ids or training_ids
+    return (read_sglang_server(path, serving_ids, tgt.hidden_size),
+            f"{path} ({layout}, layers {serving_ids} from the serving capture plan)")
+
+
+def prepare(ckpt_path, target=None, states=None, max_tokens: int | None = None, allow_pickle: bool = False,
+            device: str = "cpu") -> RunInputs:
     from difftest.validate import validate_checkpoint
 
     ckpt = load_checkpoint(ckpt_path, allow_pickle=allow_pickle)
     validate_checkpoint(ckpt)
     tgt = load_target(resolve_target_path(ckpt, target))
     states_path = resolve_states(ckpt, states)
-    st = load_states(states_path)
+    st, states_label = read_states(states_path, ckpt, tgt, device)
     if max_tokens:
         st = st.head(max_tokens)
     check_states_fit(st, ckpt.spec.target_hidden_size, ckpt.spec.num_aux, str(states_path))
@@ -102,7 +120,7 @@ def prepare(ckpt_path, target=None, states=None, max_tokens: int | None = None, 
         raise InputError(f"target vocab {tgt.vocab_size} does not match the draft config's vocab_size {ckpt.spec.target_vocab_size}")
     if int(st.input_ids.max()) >= tgt.vocab_size or int(st.input_ids.min()) < 0:
         raise InputError(f"{states_path}: input_ids outside the target vocab [0, {tgt.vocab_size})")
-    return RunInputs(ckpt, tgt, st, str(states_path))
+    return RunInputs(ckpt, tgt, st, states_label)
 
 
 def run(

@@ -4,10 +4,16 @@ File format (safetensors, version 1):
     input_ids                    int64  [T]          packed token ids of all requests
     seq_lens                     int64  [R]          request lengths, sum(seq_lens) == T
     aux_hidden_states            float  [T, A*H]     the A aux layers concatenated, in id order
-    verifier_last_hidden_states  float  [T, H]       the target's last state BEFORE its final norm
+    verifier_last_hidden_states  float  [T, H]       optional: the target's last state BEFORE its final norm,
+                                                     at the token row t predicts (t+1's state; see below)
     loss_mask                    uint8  [T]          optional: 1 where the token is a response token
-Row t is one draft input: the token the draft embeds at t, with the target's states at the
-token before it (speculators' shift_batch and the EAGLE worker pair them the same way).
+    first_token_ids              int64  [R]          optional: each request's token before its first row,
+                                                     so the target can be re-run on the exact sequences
+Row t is one draft input: the token the draft embeds at t, with the target's aux states at
+the token before it (speculators' shift_batch and the EAGLE worker pair them the same way),
+and the verifier state whose head gives the target's next token after row t's token.
+An SGLang server returns aux states only, so verifier states may be absent; the target's
+greedy continuation is then the recorded sequence itself (temperature-0 responses).
 metadata:
     difftest_states_version  "1"
     aux_layer_ids            JSON list, in HF convention: id k is HF hidden_states[k]
@@ -27,7 +33,7 @@ from safetensors.torch import save_file
 from difftest.errors import InputError
 
 STATES_VERSION = "1"
-REQUIRED = ("input_ids", "seq_lens", "aux_hidden_states", "verifier_last_hidden_states")
+REQUIRED = ("input_ids", "seq_lens", "aux_hidden_states")
 
 
 @dataclass
@@ -35,9 +41,21 @@ class CapturedStates:
     input_ids: torch.Tensor
     seq_lens: torch.Tensor
     aux_hidden_states: torch.Tensor
-    verifier_last_hidden_states: torch.Tensor
+    verifier_last_hidden_states: torch.Tensor | None
     aux_layer_ids: tuple[int, ...]
     loss_mask: torch.Tensor | None = None
+    first_token_ids: torch.Tensor | None = None
+
+    @property
+    def target_hidden_size(self) -> int:
+        return int(self.aux_hidden_states.shape[1]) // max(len(self.aux_layer_ids), 1)
+
+    def sequences(self) -> list[list[int]] | None:
+        """Each request's full token sequence (first token + rows), when the first tokens are known."""
+        if self.first_token_ids is None:
+            return None
+        rows = self.input_ids.split(self.seq_lens.tolist())
+        return [[int(f)] + r.tolist() for f, r in zip(self.first_token_ids, rows)]
 
     @property
     def num_tokens(self) -> int:
@@ -55,9 +73,11 @@ class CapturedStates:
             input_ids=self.input_ids[:total],
             seq_lens=self.seq_lens[:keep],
             aux_hidden_states=self.aux_hidden_states[:total],
-            verifier_last_hidden_states=self.verifier_last_hidden_states[:total],
+            verifier_last_hidden_states=None if self.verifier_last_hidden_states is None
+            else self.verifier_last_hidden_states[:total],
             aux_layer_ids=self.aux_layer_ids,
             loss_mask=None if self.loss_mask is None else self.loss_mask[:total],
+            first_token_ids=None if self.first_token_ids is None else self.first_token_ids[:keep],
         )
 
 
@@ -66,10 +86,13 @@ def save_states(states: CapturedStates, path: str | Path) -> None:
         "input_ids": states.input_ids.to(torch.int64).contiguous(),
         "seq_lens": states.seq_lens.to(torch.int64).contiguous(),
         "aux_hidden_states": states.aux_hidden_states.contiguous(),
-        "verifier_last_hidden_states": states.verifier_last_hidden_states.contiguous(),
     }
+    if states.verifier_last_hidden_states is not None:
+        tensors["verifier_last_hidden_states"] = states.verifier_last_hidden_states.contiguous()
     if states.loss_mask is not None:
         tensors["loss_mask"] = states.loss_mask.to(torch.uint8).contiguous()
+    if states.first_token_ids is not None:
+        tensors["first_token_ids"] = states.first_token_ids.to(torch.int64).contiguous()
     metadata = {
         "difftest_states_version": STATES_VERSION,
         "aux_layer_ids": json.dumps(list(states.aux_layer_ids)),
@@ -101,9 +124,10 @@ def load_states(path: str | Path) -> CapturedStates:
         input_ids=t["input_ids"],
         seq_lens=t["seq_lens"],
         aux_hidden_states=t["aux_hidden_states"],
-        verifier_last_hidden_states=t["verifier_last_hidden_states"],
+        verifier_last_hidden_states=t.get("verifier_last_hidden_states"),
         aux_layer_ids=aux_ids,
         loss_mask=t.get("loss_mask"),
+        first_token_ids=t.get("first_token_ids"),
     )
     _check_consistent(states, path)
     return states
@@ -117,10 +141,16 @@ def _check_consistent(s: CapturedStates, path: Path) -> None:
         raise InputError(f"{path}: seq_lens {s.seq_lens.tolist()[:8]} must be positive and sum to {T} tokens")
     for name in ("aux_hidden_states", "verifier_last_hidden_states"):
         x = getattr(s, name)
+        if x is None:
+            continue
         if x.dim() != 2 or x.shape[0] != T:
             raise InputError(f"{path}: {name} must be [{T}, width], found {list(x.shape)}")
         if not torch.isfinite(x).all():
             raise InputError(f"{path}: {name} holds NaN or Inf")
+    for name, want in (("loss_mask", [T]), ("first_token_ids", [int(s.seq_lens.shape[0])])):
+        x = getattr(s, name)
+        if x is not None and list(x.shape) != want:
+            raise InputError(f"{path}: {name} must be {want}, found {list(x.shape)}")
 
 
 def check_states_fit(s: CapturedStates, target_hidden: int, num_aux: int, source: str) -> None:
@@ -131,7 +161,7 @@ def check_states_fit(s: CapturedStates, target_hidden: int, num_aux: int, source
             f"{source}: aux_hidden_states width {s.aux_hidden_states.shape[1]} does not match the draft config "
             f"({num_aux} aux layers x target hidden {target_hidden} = {want})"
         )
-    if s.verifier_last_hidden_states.shape[1] != target_hidden:
+    if s.verifier_last_hidden_states is not None and s.verifier_last_hidden_states.shape[1] != target_hidden:
         raise InputError(
             f"{source}: verifier_last_hidden_states width {s.verifier_last_hidden_states.shape[1]} "
             f"does not match target hidden {target_hidden}"

@@ -35,7 +35,9 @@ def capture_states(model, sequences: list[list[int]], aux_layer_ids: list[int], 
             last_parts.append(pre_norm[-1][0].float())
     finally:
         handle.remove()
+    first = None
     if shift:
+        first = torch.tensor([ids[0] for ids in sequences], dtype=torch.int64)
         aux_parts = [a[:-1] for a in aux_parts]
         last_parts = [v[1:] for v in last_parts]
         sequences = [ids[1:] for ids in sequences]
@@ -51,4 +53,5 @@ def capture_states(model, sequences: list[list[int]], aux_layer_ids: list[int], 
         verifier_last_hidden_states=torch.cat(last_parts),
         aux_layer_ids=tuple(aux_layer_ids),
         loss_mask=mask,
+        first_token_ids=first,
     )

@@ -25,6 +25,8 @@ from typing import Callable
 import torch
 
 from difftest.convert import CONVERTER_VERSION
+# Bumped when the exported states gain a field: 2 = first_token_ids, so the target can be re-run.
+STATES_REVISION = 2
 from difftest.errors import InputError
 from difftest.fixturegen.cache import Step, cache_root
 
@@ -350,7 +352,7 @@ def build(progress=None) -> Paths:
         ("vocab", [p.data / f"d2t-{DRAFT_VOCAB}.npy", p.data / f"t2d-{DRAFT_VOCAB}.npy"], lambda: vocab(p)),
         (f"train-e{epochs}", [p.train_out], lambda: train(p, lambda line: say(f"train-e{epochs}", 0, 0, line))),
         # The converter's version is in the step name: a converter fix must rebuild the legacy copy.
-        (f"export-e{epochs}-c{CONVERTER_VERSION}", [p.draft, p.legacy, p.states, p.training_json], lambda: export(p)),
+        (f"export-e{epochs}-c{CONVERTER_VERSION}-s{STATES_REVISION}", [p.draft, p.legacy, p.states, p.training_json], lambda: export(p)),
     ]
     # A record of a step no longer in the plan (an older converter's export) describes
     # outputs that have since been rebuilt: drop it rather than leave stale provenance.

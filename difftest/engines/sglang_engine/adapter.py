@@ -265,6 +265,16 @@ class SGLangAdapter:
             path = "none"
         return {"shared": shared, "path": path}
 
+    @staticmethod
+    def _draft_input_states(states: CapturedStates, options: RunOptions) -> torch.Tensor:
+        if options.serving.aux_capture:
+            return states.aux_hidden_states
+        if states.verifier_last_hidden_states is None:
+            from difftest.errors import InputError
+
+            raise InputError("serving without aux capture feeds the target's last hidden state, which these states lack")
+        return states.verifier_last_hidden_states
+
     @torch.no_grad()
     def _forward(self, model, target: TargetWeights, states: CapturedStates, options: RunOptions):
         from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -295,7 +305,7 @@ class SGLangAdapter:
         runner = SimpleNamespace(device=device, req_to_token_pool=req_pool, token_to_kv_pool=kv_pool)
         backend = TorchNativeAttnBackend(runner)
 
-        hidden = states.aux_hidden_states if options.serving.aux_capture else states.verifier_last_hidden_states
+        hidden = self._draft_input_states(states, options)
         seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
         starts = torch.cumsum(seq_lens, 0) - seq_lens
         batch = ForwardBatch(
