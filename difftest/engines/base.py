@@ -97,6 +97,22 @@ class EngineRun:
 
 
 @dataclass
+class ChainRun:
+    """k chained draft steps from every row: what the engine would propose at serving time.
+
+    Row t, step j is the draft's guess for the token j+1 places after row t's token, given
+    that its guesses for steps < j were right (each engine feeds its previous step in its
+    own way; on the accepted path both see the same tokens).
+    """
+
+    engine: str
+    target_tokens: torch.Tensor  # [T, k] int64, target-vocab ids
+    draft_tokens: torch.Tensor  # [T, k] int64, draft-vocab ids
+    timings_s: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
 class CapturePlan:
     """Which target hidden states an engine feeds (or was trained on) for this draft.
 
@@ -129,3 +145,12 @@ class EngineAdapter(Protocol):
         states: CapturedStates,
         options: RunOptions,
     ) -> EngineRun: ...
+
+    def chain(
+        self,
+        checkpoint: Checkpoint,
+        target: TargetWeights,
+        states: CapturedStates,
+        steps: int,
+        options: RunOptions,
+    ) -> ChainRun: ...

@@ -19,7 +19,7 @@ import torch
 
 from difftest.checkpoint import Checkpoint, CheckpointFormat
 from difftest.convert import legacy_to_speculators
-from difftest.engines.base import CapturePlan, EngineRun, LoadLedger, ParamFate, RunOptions, TensorFate
+from difftest.engines.base import CapturePlan, ChainRun, EngineRun, LoadLedger, ParamFate, RunOptions, TensorFate
 from difftest.engines.hooks import ProbeRecorder
 from difftest.states import CapturedStates
 from difftest.target import TargetWeights
@@ -50,13 +50,9 @@ class SpeculatorsAdapter:
                            configured, [f"resolve_target_layer_ids({configured}) -> {list(ids)}",
                                         "datagen reads hidden_states[id] for each id (no shift)"])
 
-    def run(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, options: RunOptions) -> EngineRun:
-        timings: dict[str, float] = {}
-        t0 = time.perf_counter()
+    def _build(self, checkpoint: Checkpoint, target: TargetWeights, options: RunOptions):
         from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-        timings["import"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="difftest-spec-") as tmp:
             src = checkpoint.path
             if checkpoint.format is CheckpointFormat.LEGACY:
@@ -72,6 +68,16 @@ class SpeculatorsAdapter:
         nan_before_verifier = {n for n, t in model.state_dict().items() if t.is_floating_point() and t.isnan().all()}
         model.load_verifier_weights()
         model = model.to(device=options.device, dtype=options.dtype).eval()
+        return model, config, nan_before_verifier
+
+    def run(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, options: RunOptions) -> EngineRun:
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        import speculators.models.eagle3  # noqa: F401
+
+        timings["import"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model, config, nan_before_verifier = self._build(checkpoint, target, options)
         timings["load"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -88,38 +94,39 @@ class SpeculatorsAdapter:
         return EngineRun(engine=self.name, probes=probes, missing=missing, timings_s=timings, details=details,
                          ledger=self._ledger(model, checkpoint, nan_before_verifier))
 
-    @staticmethod
-    def _ledger(model, checkpoint: Checkpoint, from_verifier: set[str]) -> LoadLedger:
-        from difftest.convert import speculators_name
-
-        ledger = LoadLedger()
-        state = model.state_dict()
-        for name in checkpoint.tensor_names():
-            key = speculators_name(name)
-            if key in state:
-                fate = TensorFate.CONSUMED if key == name else TensorFate.RENAMED
-                ledger.tensors[name] = (fate, [key], "" if key == name else "renamed by difftest's legacy->speculators converter")
-            else:
-                ledger.tensors[name] = (TensorFate.DROPPED, [], "no such key in Eagle3DraftModel")
-        ckpt_keys = {speculators_name(n) for n in checkpoint.tensor_names()}
-        for key in state:
-            if key in ckpt_keys:
-                ledger.params[key] = (ParamFate.WRITTEN, "")
-            elif key in from_verifier or key.startswith("verifier_"):
-                ledger.params[key] = (ParamFate.SHARED, "load_verifier_weights (lm_head: the verifier head's t2d rows)")
-            else:
-                ledger.params[key] = (ParamFate.INIT, "not in the checkpoint")
-        return ledger
-
     @torch.no_grad()
-    def _forward(self, model, states: CapturedStates, options: RunOptions) -> dict[str, torch.Tensor]:
+    def chain(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, steps: int,
+              options: RunOptions) -> ChainRun:
+        """speculators' own test-time-training unroll: `steps` TTT steps over the packed rows.
+        Step j at row t reads the recorded token t+j (teacher forcing) and its own previous
+        hidden state; on the accepted path that token is the draft's own previous guess."""
+        t0 = time.perf_counter()
+        model, _, _ = self._build(checkpoint, target, options)
+        draft_steps = model(**self._inputs(states, options), ttt_steps=steps)
+        draft = torch.stack([d[0].cpu() for d in draft_steps], dim=1)
+        notes = []
+        if model.d2t is not None and checkpoint.has("d2t"):
+            tokens = draft + model.d2t.cpu()[draft]
+        else:
+            tokens = draft.clone()
+            if model.d2t is not None:
+                notes.append("no d2t in the checkpoint: draft ids taken as target ids")
+        return ChainRun(self.name, tokens, draft, {"chain": time.perf_counter() - t0}, notes)
+
+    @staticmethod
+    def _inputs(states: CapturedStates, options: RunOptions) -> dict:
         device, dtype = options.device, options.dtype
         lens = [int(n) for n in states.seq_lens.tolist()]
         doc_ids = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lens)])
         # Per-request positions from 0, as SGLang serves them; speculators' own default
         # (1 + arange over the packed batch) differs only by a RoPE shift inside a document.
         positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lens])
+        return {"hidden_states": states.aux_hidden_states.to(device=device, dtype=dtype)[None],
+                "input_ids": states.input_ids.to(device)[None], "document_ids": doc_ids.to(device)[None],
+                "position_ids": positions.to(device)[None]}
 
+    @torch.no_grad()
+    def _forward(self, model, states: CapturedStates, options: RunOptions) -> dict[str, torch.Tensor]:
         p = ProbeRecorder(drop_batch_dim=True)
         layer0 = model.layers[0]
         p.output(model.embed_tokens, "embed")
@@ -135,13 +142,7 @@ class SpeculatorsAdapter:
         p.output(model.norm, "final_norm")
         p.output(model.lm_head, "logits")
         try:
-            draft_tokens = model(
-                hidden_states=states.aux_hidden_states.to(device=device, dtype=dtype)[None],
-                input_ids=states.input_ids.to(device)[None],
-                document_ids=doc_ids.to(device)[None],
-                position_ids=positions.to(device)[None],
-                ttt_steps=1,
-            )
+            draft_tokens = model(**self._inputs(states, options), ttt_steps=1)
         finally:
             p.remove()
         values = p.values

@@ -21,7 +21,7 @@ import torch
 
 from difftest.checkpoint import Checkpoint, CheckpointFormat
 from difftest.convert import legacy_config, legacy_name
-from difftest.engines.base import DROP, CapturePlan, EngineRun, LoadLedger, ParamFate, RunOptions, TensorFate
+from difftest.engines.base import DROP, CapturePlan, ChainRun, EngineRun, LoadLedger, ParamFate, RunOptions, TensorFate
 from difftest.engines.hooks import ProbeRecorder
 from difftest.engines.sglang_engine.runtime import ensure_runtime
 from difftest.states import CapturedStates
@@ -161,16 +161,12 @@ class SGLangAdapter:
         steps.append(f"captured at the input of each listed layer, in layer order: hidden_states{plan.hf_layer_ids}")
         return plan
 
-    def run(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, options: RunOptions) -> EngineRun:
-        timings: dict[str, float] = {}
-        t0 = time.perf_counter()
-        standin = ensure_runtime(options.device)
+    def _build(self, checkpoint: Checkpoint, target: TargetWeights, options: RunOptions):
+        """SGLang's model from the serving config, through its own load_weights, with the
+        target's embedding (and head) shared the way the EAGLE worker shares them."""
         from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
         from transformers import LlamaConfig
 
-        timings["import"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
         cfg_dict, conversion_notes = serving_config(checkpoint, options)
         config = LlamaConfig(**cfg_dict)
         device = torch.device(options.device)
@@ -191,20 +187,45 @@ class SGLangAdapter:
         share = self._share_target(model, target, options)
         ledger = self._ledger(model, served_names, recorder, share["shared"])
         self._poison_unwritten(model, ledger)
+        details = {"conversion_notes": conversion_notes, "served_config": cfg_dict, "lm_head_path": share["path"]}
+        return model, ledger, details
+
+    def run(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, options: RunOptions) -> EngineRun:
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        standin = ensure_runtime(options.device)
+        timings["import"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        model, ledger, details = self._build(checkpoint, target, options)
         timings["load"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         probes, missing = self._forward(model, target, states, options)
         timings["forward"] = time.perf_counter() - t0
 
-        details = {
-            "conversion_notes": conversion_notes,
-            "served_config": cfg_dict,
-            "sgl_kernel_standin": standin.as_dict(),
-            "lm_head_path": share["path"],
-        }
+        details["sgl_kernel_standin"] = standin.as_dict()
         details["module_graph"] = [f"{n}:{type(m).__name__}" for n, m in model.named_modules()]
         return EngineRun(engine=self.name, probes=probes, missing=missing, timings_s=timings, details=details, ledger=ledger)
+
+    def chain(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, steps: int,
+              options: RunOptions) -> ChainRun:
+        """The EAGLE worker's topk=1 chain: one draft EXTEND over the prompt rows, then
+        decode steps that each feed back the draft's own token (as a target id, through
+        hot_token_id) and its own hidden state, every row a request sharing the prefix KV."""
+        from difftest.engines.sglang_engine.chain import run_chain
+
+        ensure_runtime(options.device)
+        t0 = time.perf_counter()
+        model, _, _ = self._build(checkpoint, target, options)
+        draft = run_chain(model, states, self._draft_input_states(states, options), steps, options)
+        hot = model.get_hot_token_id()
+        notes = []
+        if hot is not None and int(draft.max()) >= hot.numel():
+            notes.append("draft ids index past hot_token_id: the head is not draft-vocab; ids taken as target ids")
+            hot = None
+        tokens = hot.cpu()[draft] if hot is not None else draft
+        return ChainRun(self.name, tokens, draft, {"chain": time.perf_counter() - t0}, notes)
 
     @staticmethod
     def _ledger(model, served_names: dict[str, str], recorder: "_LoadRecorder", shared: list[str]) -> LoadLedger:
@@ -277,60 +298,13 @@ class SGLangAdapter:
 
     @torch.no_grad()
     def _forward(self, model, target: TargetWeights, states: CapturedStates, options: RunOptions):
-        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
-        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-        from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
-        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        from difftest.engines.sglang_engine import batches
 
         device, dtype = options.device, options.dtype
-        cfg = model.config
-        lens = [int(n) for n in states.seq_lens.tolist()]
-        num_reqs, num_tokens = len(lens), sum(lens)
-
-        req_pool = ReqToTokenPool(size=num_reqs, max_context_len=max(lens) + 1, device=device, enable_memory_saver=False)
-        kv_pool = MHATokenToKVPool(
-            size=num_tokens + 1, page_size=1, dtype=dtype, head_num=cfg.num_key_value_heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-            layer_num=cfg.num_hidden_layers, device=device, enable_memory_saver=False,
-        )
-        # Slot 0 of the KV pool is the padding slot; request i's tokens live in a contiguous run after it.
-        out_cache_loc = torch.arange(1, num_tokens + 1, dtype=torch.int64, device=device)
-        req_pool_indices = torch.arange(1, num_reqs + 1, dtype=torch.int64, device=device)
-        start = 0
-        for i, n in enumerate(lens):
-            req_pool.req_to_token[req_pool_indices[i], :n] = out_cache_loc[start:start + n].to(torch.int32)
-            start += n
-        runner = SimpleNamespace(device=device, req_to_token_pool=req_pool, token_to_kv_pool=kv_pool)
-        backend = TorchNativeAttnBackend(runner)
-
         hidden = self._draft_input_states(states, options)
-        seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
-        starts = torch.cumsum(seq_lens, 0) - seq_lens
-        batch = ForwardBatch(
-            forward_mode=ForwardMode.DRAFT_EXTEND_V2,
-            batch_size=num_reqs,
-            input_ids=states.input_ids.to(device),
-            req_pool_indices=req_pool_indices,
-            seq_lens=seq_lens,
-            out_cache_loc=out_cache_loc,
-            seq_lens_sum=num_tokens,
-            seq_lens_cpu=seq_lens.cpu(),
-            positions=torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]).to(device),
-            extend_num_tokens=num_tokens,
-            extend_seq_lens=seq_lens,
-            extend_prefix_lens=torch.zeros_like(seq_lens),
-            extend_start_loc=starts,
-            extend_prefix_lens_cpu=[0] * num_reqs,
-            extend_seq_lens_cpu=lens,
-            extend_logprob_start_lens_cpu=[0] * num_reqs,
-            capture_hidden_mode=CaptureHiddenMode.FULL,
-            spec_algorithm=SpeculativeAlgorithm.EAGLE3,
-            spec_info=EagleDraftExtendInput(hidden_states=hidden.to(device=device, dtype=dtype)),
-            return_logprob=False,
-        )
-        backend.init_forward_metadata(batch)
+        kv = batches.KVSpace(model.config, states.num_tokens, device, dtype)
+        batch, backend, _ = batches.extend_batch(kv, states.input_ids, [int(n) for n in states.seq_lens.tolist()],
+                                                 hidden.to(device=device, dtype=dtype))
 
         probes = ProbeRecorder()
         inner = model.model
@@ -349,8 +323,7 @@ class SGLangAdapter:
         probes.output(nxt, "layer0.output", pick=lambda o: o[1])
         probes.output(inner.norm, "final_norm", pick=lambda o: o[0])
         try:
-            with forward_context(ForwardContext(attn_backend=backend), forward_batch=batch):
-                out = model(batch.input_ids, batch.positions, batch)
+            out = batches.forward(model, batch, backend)
         finally:
             probes.remove()
 
