@@ -151,3 +151,38 @@ def compare_acceptance(ref: ChainRun, cand: ChainRun, states: CapturedStates, ta
     a, b = acceptance(ref, cont, rows), acceptance(cand, cont, rows)
     same = float((a.accepted_lengths == b.accepted_lengths).float().mean()) if a.scored_rows else 1.0
     return AcceptanceComparison(a, b, tolerance, same, cont.source, cont.recorded_matches, training)
+
+
+def explain(acc: AcceptanceComparison, diagnosis) -> list[str]:
+    """Why the numbers differ, each gap tied to what the probes and the audit found."""
+    ref, cand = acc.reference, acc.candidate
+    n = ref.scored_rows
+    lines = []
+    if n == 0:
+        return ["No row could be scored: no response rows whose recorded continuation is the target's greedy one."]
+    if acc.agree:
+        lines.append(f"{cand.engine} and {ref.engine} predict the same acceptance: mean accept length "
+                     f"{cand.mean_accept_length:.3f} vs {ref.mean_accept_length:.3f} (gap {acc.gap:+.3f}, tolerance "
+                     f"±{acc.tolerance}); {acc.same_length_rows:.1%} of rows accept exactly as many steps in both.")
+        if diagnosis is not None:
+            lines.append(f"The divergence found ({diagnosis.cause}, at {diagnosis.found_at}) changes some draft "
+                         f"tokens, but not enough of the accepted ones to move acceptance beyond the tolerance.")
+    else:
+        lines.append(f"{cand.engine} predicts mean accept length {cand.mean_accept_length:.3f} against "
+                     f"{ref.engine}'s {ref.mean_accept_length:.3f} (gap {acc.gap:+.3f}, tolerance ±{acc.tolerance}).")
+        if diagnosis is not None:
+            lines.append(f"The gap is the serving draft computing something else: {diagnosis.cause} "
+                         f"(found at {diagnosis.found_at}). {diagnosis.explanation}")
+        else:
+            lines.append("No probe or audit finding explains it; near-tie argmax flips compound along the chain.")
+    if acc.training:
+        p0 = acc.training.get("full_acc_0")
+        if p0 is not None:
+            se = (p0 * (1 - p0) / n) ** 0.5
+            lines.append(f"Training step-0 accuracy {p0:.3f} (speculators' full_acc_0 on its held-out split) is the "
+                         f"first-step acceptance {ref.engine} should reproduce: here {ref.reach[0]:.3f} on {n} rows "
+                         f"(±{2 * se:.3f} at 2σ for this many rows); {cand.engine}: {cand.reach[0]:.3f}.")
+            if abs(ref.reach[0] - p0) > 2 * se + 0.02:
+                lines.append("The training figure lies outside that band: the held-out split and these rows differ "
+                             "in content, or the states were not captured as the training data was.")
+    return lines

@@ -75,6 +75,10 @@ def report(
     baseline_factor: float = typer.Option(2.0, help="with --baseline: how much a probe's error may grow"),
     audit_config: bool = typer.Option(True, "--audit-config/--no-audit-config",
                                       help="measure, field by field, whether SGLang honors the config (about 10 s more)"),
+    chain_steps: int = typer.Option(4, help="draft steps per chain for predicted acceptance (0: skip the simulation)"),
+    target_capture: bool = typer.Option(True, "--target-capture/--no-target-capture",
+                                        help="run the target through SGLang and compare its aux capture with the states"),
+    training_metrics: Optional[Path] = typer.Option(None, help="JSON with speculators' held-out full_acc_0.. (shown next to the predictions)"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="print only the verdict line"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="show engine logs and tracebacks"),
 ) -> None:
@@ -85,6 +89,8 @@ def report(
     torch_dtype = parse_dtype(dtype)
     if device.split(":")[0] not in ("cpu", "cuda"):
         fail(f"--device must be cpu or cuda, got {device!r}")
+    if not 0 <= chain_steps <= 16:
+        fail(f"--chain-steps must be between 0 and 16, got {chain_steps}")
     try:
         jobs: list[tuple[Path, Path]] = []
         extra: dict = {}
@@ -100,6 +106,10 @@ def report(
                 extra["training"] = json.loads(fx.training.read_text())
         else:
             jobs = [(checkpoint, out)]
+        if training_metrics is not None:
+            extra["training"] = _read_training_metrics(training_metrics)
+        analysis = {"chain_steps": chain_steps, "measure_target_capture": target_capture,
+                    "training_metrics": extra.get("training")}
         old_report = None
         if baseline is not None:
             from difftest.report.baseline import load_baseline
@@ -114,7 +124,7 @@ def report(
         for ckpt, out_dir in jobs:
             base = {"report": old_report, "path": str(baseline), "factor": baseline_factor} if old_report else None
             rep, paths = _report_one(ckpt, target, states, torch_dtype, device, out_dir, max_tokens, serving, extra,
-                                     audit_config, allow_pickle, base, not quiet)
+                                     audit_config, allow_pickle, base, not quiet, analysis)
             first = rep["first_divergence"]
             diag = rep["diagnosis"]
             line = rep["verdict"] + (f": first divergence at {first['probe']} ({diag['cause']})" if first else
@@ -139,8 +149,20 @@ def report(
     raise typer.Exit(max(codes))
 
 
+def _read_training_metrics(path: Path) -> dict:
+    import json
+
+    try:
+        metrics = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: training metrics must be a JSON object ({exc})") from None
+    if not isinstance(metrics, dict) or not isinstance(metrics.get("full_acc_0"), (int, float)):
+        raise InputError(f"{path}: training metrics need a numeric full_acc_0 (speculators' step-0 accuracy)")
+    return metrics
+
+
 def _report_one(ckpt, target, states, dtype, device, out_dir, max_tokens, serving, extra, audit_config=False,
-                allow_pickle=False, base=None, show_progress=False):
+                allow_pickle=False, base=None, show_progress=False, analysis=None):
     from difftest import pipeline
     from difftest.report import build_report, write_reports
 
@@ -150,7 +172,7 @@ def _report_one(ckpt, target, states, dtype, device, out_dir, max_tokens, servin
     inputs = pipeline.prepare(ckpt, target, states, max_tokens=max_tokens, allow_pickle=allow_pickle, device=device)
     with steps(show_progress) as step:
         result = pipeline.run(inputs, dtype=dtype or inputs.checkpoint.stored_dtype(), device=device, serving=serving,
-                              audit_config=audit_config, on_step=step)
+                              audit_config=audit_config, on_step=step, **(analysis or {}))
         step("writing reports")
     rep = build_report(result, command=["difftest", *sys.argv[1:]], extra=extra)
     if base:

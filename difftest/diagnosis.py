@@ -118,6 +118,11 @@ RULES: tuple[Rule, ...] = (
     Rule("aux_layers_mismatch", findings=("aux_layers_mismatch", "states_not_from_this_config"),
          explanation="The aux layers the server would capture are not the ones the draft's training data was captured at.",
          fix="Make eagle_aux_hidden_state_layer_ids in the serving config name the layers the training data used."),
+    Rule("target_capture_values_differ", findings=("target_capture_values_differ",),
+         explanation=("The serving target captures the right layers, but its states differ from the training capture "
+                      "by more than the dtype's tolerance: the target weights, its dtype or its forward differ between "
+                      "the capture used for training and the server."),
+         fix="Capture training data from the exact target checkpoint and dtype the server runs, or re-capture on the serving stack."),
     Rule("d2t_convention", findings=("d2t_absolute_ids", "d2t_arange_subtracted", "d2t_all_zero", "d2t_t2d_disagree",
                                      "d2t_out_of_range", "d2t_not_unique", "d2t_bad_length", "d2t_bad_dtype"),
          explanation=("d2t does not hold offsets onto the ids the draft was trained on. Both engines compute "

@@ -60,6 +60,8 @@ class RunResult:
     config_audit: list[dict] | None = None
     conversion: list[dict] = field(default_factory=list)
     capture: dict = field(default_factory=dict)
+    target_capture: object = None  # audit.target_capture.CaptureParity, when measured
+    acceptance: object = None  # acceptance.AcceptanceComparison, when simulated
 
 
 def resolve_target_path(ckpt: Checkpoint, target: str | Path | None) -> Path:
@@ -133,6 +135,9 @@ def run(
     measure_noise: bool | None = None,
     audit_config: bool = False,
     on_step: Callable[[str], None] = lambda _msg: None,
+    chain_steps: int = 0,
+    measure_target_capture: bool = False,
+    training_metrics: dict | None = None,
 ) -> RunResult:
     reference = reference or reference_adapter()
     candidate = candidate or candidate_adapter()
@@ -158,12 +163,51 @@ def run(
         on_step("audit: measuring each config field in both engines")
         rows, config_findings = run_config_audit(inputs.checkpoint, inputs.target, inputs.states, reference, candidate, options)
         findings += config_findings
+    parity = None
+    if measure_target_capture:
+        parity, parity_findings = target_capture_parity(inputs, candidate, options, on_step)
+        findings += parity_findings
+    diagnosis = diagnose(comparison, findings)
+    accept = None
+    if chain_steps > 0:
+        accept = predict_acceptance(inputs, reference, candidate, options, chain_steps, training_metrics, on_step)
     return RunResult(
         inputs=inputs, options=options, tolerance=tol, reference=ref_run, candidate=cand_run,
-        comparison=comparison, diagnosis=diagnose(comparison, findings), noise_floor=floor,
+        comparison=comparison, diagnosis=diagnosis, noise_floor=floor,
         timings_s={"engines": time.perf_counter() - t0}, findings=findings, config_audit=rows,
-        conversion=conversion_rows, capture=capture,
+        conversion=conversion_rows, capture=capture, target_capture=parity, acceptance=accept,
     )
+
+
+def target_capture_parity(inputs: RunInputs, candidate: EngineAdapter, options: RunOptions,
+                          on_step: Callable[[str], None]):
+    """The serving engine's own target forward against the training capture, in fp32 (the
+    states are compared at the precision they were captured at; a bf16 target would bury
+    the adjacent-layer differences that name an off-by-one)."""
+    from difftest.audit.target_capture import draft_row_index, measure_capture
+    from difftest.target import hf_layer_states
+
+    sequences = inputs.states.sequences()
+    if sequences is None:
+        return None, []
+    fp32 = RunOptions(dtype=torch.float32, device=options.device, serving=options.serving)
+    on_step(f"{candidate.name}: target forward with aux capture")
+    served = candidate.capture_target(inputs.checkpoint, inputs.target, sequences, fp32)
+    on_step("target: transformers forward for every layer boundary")
+    layers = hf_layer_states(inputs.target.path, sequences)[:, draft_row_index(inputs.states)]
+    return measure_capture(inputs.states, served, layers, tolerance_for(torch.float32))
+
+
+def predict_acceptance(inputs: RunInputs, reference: EngineAdapter, candidate: EngineAdapter, options: RunOptions,
+                       steps: int, training_metrics: dict | None, on_step: Callable[[str], None]):
+    from difftest.acceptance import compare_acceptance
+
+    on_step(f"{reference.name}: {steps}-step chain draft")
+    ref = reference.chain(inputs.checkpoint, inputs.target, inputs.states, steps,
+                          RunOptions(dtype=options.dtype, device=options.device))
+    on_step(f"{candidate.name}: {steps}-step chain draft")
+    cand = candidate.chain(inputs.checkpoint, inputs.target, inputs.states, steps, options)
+    return compare_acceptance(ref, cand, inputs.states, inputs.target, training_metrics)
 
 
 def audit(inputs: RunInputs, reference: EngineAdapter, candidate: EngineAdapter, ref_run: EngineRun,

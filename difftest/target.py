@@ -76,3 +76,32 @@ def load_target(path: str | Path) -> TargetWeights:
             raise InputError(f"target {path}: no lm_head.weight and tie_word_embeddings is false")
         head = embed
     return TargetWeights(path=path, config=config, embed=embed, lm_head=head, norm=norm)
+
+
+def target_tensors(path: str | Path):
+    """(name, tensor) for every tensor of the target's safetensors, one at a time."""
+    for name, file in _tensor_files(Path(path)).items():
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            yield name, f.get_tensor(name)
+
+
+@torch.no_grad()
+def hf_layer_states(path: str | Path, sequences: list[list[int]]) -> torch.Tensor:
+    """Every layer boundary of the target's transformers forward, in the neutral convention:
+    [n + 1, tokens, H], index k = HF hidden_states[k] for k < n, index n = the last layer's
+    output BEFORE the final norm (HF's own hidden_states[-1] is after it)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    pre_norm: list[torch.Tensor] = []
+    handle = model.model.norm.register_forward_pre_hook(lambda _m, args: pre_norm.append(args[0].detach()))
+    parts = []
+    try:
+        for ids in sequences:
+            pre_norm.clear()
+            out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+            n = len(out.hidden_states) - 1
+            parts.append(torch.stack([h[0] for h in out.hidden_states[:n]] + [pre_norm[-1][0]]).float())
+    finally:
+        handle.remove()
+    return torch.cat(parts, dim=1)

@@ -33,19 +33,25 @@ def check_capture(serving: CapturePlan, training: CapturePlan, states: CapturedS
         return out + [Finding(CHECK, "aux_capture_off", Severity.ERROR,
                               f"{serving.engine} would capture no aux layers ({serving.steps[-1]}): the draft gets the "
                               "target's single last state and fc is skipped", measured)]
+    found = classify_layers(serving.engine, served, trained, measured, "would capture")
+    return out + ([found] if found else [])
+
+
+def classify_layers(engine: str, served: list[int], trained: list[int], measured: dict, verb: str,
+                    check: str = CHECK) -> Finding | None:
+    """Name how the served layers differ from the trained ones (None: they don't)."""
     if served == trained:
-        return out
+        return None
     if len(served) == len(trained) and sorted(served) == sorted(trained):
-        return out + [Finding(CHECK, "aux_layers_wrong_order", Severity.ERROR,
-                              f"{serving.engine} concatenates hidden_states{served}, the draft was trained on "
-                              f"hidden_states{trained}: same layers, different order", measured)]
+        return Finding(check, "aux_layers_wrong_order", Severity.ERROR,
+                       f"{engine} concatenates hidden_states{served}, the draft was trained on "
+                       f"hidden_states{trained}: same layers, different order", measured)
     if len(served) == len(trained):
         shift = {s - t for s, t in zip(served, sorted(trained))}
         if len(shift) == 1 and abs(next(iter(shift))) == 1:
             d = next(iter(shift))
-            return out + [Finding(CHECK, "aux_layers_off_by_one", Severity.ERROR,
-                                  f"{serving.engine} would capture hidden_states{served}, the draft was trained on "
-                                  f"hidden_states{trained}: every layer {d:+d}", measured | {"shift": d})]
-    return out + [Finding(CHECK, "aux_layers_mismatch", Severity.ERROR,
-                          f"{serving.engine} would capture hidden_states{served}, the draft was trained on "
-                          f"hidden_states{trained}", measured)]
+            return Finding(check, "aux_layers_off_by_one", Severity.ERROR,
+                           f"{engine} {verb} hidden_states{served}, the draft was trained on "
+                           f"hidden_states{trained}: every layer {d:+d}", measured | {"shift": d})
+    return Finding(check, "aux_layers_mismatch", Severity.ERROR,
+                   f"{engine} {verb} hidden_states{served}, the draft was trained on hidden_states{trained}", measured)

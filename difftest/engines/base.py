@@ -113,6 +113,18 @@ class ChainRun:
 
 
 @dataclass
+class TargetCapture:
+    """The hidden states an engine's target hands its draft, one row per token of the
+    full sequences (unshifted), as that engine's code produces them."""
+
+    engine: str
+    hidden: torch.Tensor  # [tokens, width]
+    hf_layer_ids: list[int] | None  # what the engine says it captured, in HF ids; None: no aux capture
+    description: str
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class CapturePlan:
     """Which target hidden states an engine feeds (or was trained on) for this draft.
 

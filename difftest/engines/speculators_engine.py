@@ -114,6 +114,29 @@ class SpeculatorsAdapter:
         return ChainRun(self.name, tokens, draft, {"chain": time.perf_counter() - t0}, notes)
 
     @staticmethod
+    def _ledger(model, checkpoint: Checkpoint, from_verifier: set[str]) -> LoadLedger:
+        from difftest.convert import speculators_name
+
+        ledger = LoadLedger()
+        state = model.state_dict()
+        for name in checkpoint.tensor_names():
+            key = speculators_name(name)
+            if key in state:
+                fate = TensorFate.CONSUMED if key == name else TensorFate.RENAMED
+                ledger.tensors[name] = (fate, [key], "" if key == name else "renamed by difftest's legacy->speculators converter")
+            else:
+                ledger.tensors[name] = (TensorFate.DROPPED, [], "no such key in Eagle3DraftModel")
+        ckpt_keys = {speculators_name(n) for n in checkpoint.tensor_names()}
+        for key in state:
+            if key in ckpt_keys:
+                ledger.params[key] = (ParamFate.WRITTEN, "")
+            elif key in from_verifier or key.startswith("verifier_"):
+                ledger.params[key] = (ParamFate.SHARED, "load_verifier_weights (lm_head: the verifier head's t2d rows)")
+            else:
+                ledger.params[key] = (ParamFate.INIT, "not in the checkpoint")
+        return ledger
+
+    @staticmethod
     def _inputs(states: CapturedStates, options: RunOptions) -> dict:
         device, dtype = options.device, options.dtype
         lens = [int(n) for n in states.seq_lens.tolist()]

@@ -74,10 +74,20 @@ def build_report(result: RunResult, command: list[str] | None = None, extra: dic
             "capture": result.capture,
         },
         "command": command or [],
+        "target_capture": result.target_capture.as_dict() if result.target_capture else None,
+        "acceptance": _acceptance(result),
     }
     if extra:
         report.update(extra)
     return json.loads(json.dumps(report, default=_jsonable))
+
+
+def _acceptance(result: RunResult) -> dict | None:
+    from difftest.acceptance import explain
+
+    if result.acceptance is None:
+        return None
+    return result.acceptance.as_dict() | {"explanation": explain(result.acceptance, result.diagnosis)}
 
 
 def _vocab_summary(ckpt) -> dict:
@@ -117,9 +127,7 @@ def render_markdown(report: dict) -> str:
     else:
         lines += ["Every probe agrees within the "
                   f"{report['tolerance']['dtype']} tolerance.", ""]
-    for key, title in (("training", "Training"), ("acceptance", "Acceptance")):
-        if key in report:
-            lines += [f"## {title}", "", "```", json.dumps(report[key], indent=2), "```", ""]
+    lines += _acceptance_markdown(report)
     lines += ["## Probes (dataflow order)", "",
               "| probe | status | rel_max | rel_diff | cosine | agreement | would pass at | detail |",
               "|---|---|---|---|---|---|---|---|"]
@@ -194,6 +202,45 @@ def render_markdown(report: dict) -> str:
     if report.get("command"):
         lines += ["## Reproduce", "", "```", " ".join(report["command"]), "```", ""]
     return "\n".join(lines)
+
+
+def _acceptance_markdown(report: dict) -> list[str]:
+    lines: list[str] = []
+    acc = report.get("acceptance")
+    if acc:
+        ref, cand = acc["reference"], acc["candidate"]
+        k = ref["steps"]
+        lines += ["## Predicted acceptance (chain draft, greedy verification)", "",
+                  f"{ref['scored_rows']} rows scored against the target's greedy continuation ({acc['continuation_source']}).", "",
+                  "| engine | mean accept length | " + " | ".join(f"step {j + 1}" for j in range(k)) + " |",
+                  "|---|---|" + "---|" * k]
+        for e in (ref, cand):
+            cells = " | ".join(f"{c:.3f} (reach {r:.3f})" for c, r in zip(e["conditional"], e["reach"]))
+            lines.append(f"| {e['engine']} | {e['mean_accept_length']:.3f} | {cells} |")
+        train = acc.get("training") or report.get("training")
+        if train:
+            steps = [train[f"full_acc_{j}"] for j in range(k) if f"full_acc_{j}" in train]
+            lines.append("| training (speculators full_acc, held-out) | - | "
+                         + " | ".join(f"reach {v:.3f}" for v in steps) + " |" * (1 if steps else 0))
+        lines += ["", f"Step j: acceptance given steps < j were accepted (reach: all of 1..j accepted). Engines "
+                      f"agree if mean accept lengths are within ±{acc['tolerance_accept_length']}: "
+                      f"**{'agree' if acc['agree'] else 'DISAGREE'}** (gap {acc['accept_length_gap']:+.3f}).", ""]
+        lines += [f"- {line}" for line in acc["explanation"]] + [""]
+    tc = report.get("target_capture")
+    if tc:
+        lines += ["## Target capture parity (measured)", "",
+                  f"- training states' chunks are hidden_states{tc['training_hf_ids']}",
+                  f"- {tc['serving_engine']}: {tc['serving_description']}; its chunks are "
+                  f"hidden_states{tc['serving_hf_ids']}" if tc["serving_hf_ids"] is not None else
+                  f"- {tc['serving_engine']}: {tc['serving_description']} ({tc['width']['serving']} wide, "
+                  f"training {tc['width']['training']})", "",
+                  "| side | chunk | nearest layer | rel_max vs it | vs training chunk (rel_max) |", "|---|---|---|---|---|"]
+        for c in tc["chunks"]:
+            vs = _fmt(c["vs_training"]["rel_max"]) if c.get("vs_training") else "-"
+            lines.append(f"| {c['side']} | {c['chunk']} | hidden_states[{c['nearest_hf_layer']}] | "
+                         f"{_fmt(c['vs_nearest']['rel_max'])} | {vs} |")
+        lines.append("")
+    return lines
 
 
 def atomic_write(path: Path, text: str) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from difftest.checkpoint import Checkpoint, CheckpointFormat
 from difftest.convert import legacy_config, legacy_name
-from difftest.engines.base import DROP, CapturePlan, ChainRun, EngineRun, LoadLedger, ParamFate, RunOptions, TensorFate
+from difftest.engines.base import DROP, CapturePlan, ChainRun, EngineRun, TargetCapture, LoadLedger, ParamFate, RunOptions, TensorFate
 from difftest.engines.hooks import ProbeRecorder
 from difftest.engines.sglang_engine.runtime import ensure_runtime
 from difftest.states import CapturedStates
@@ -160,6 +160,42 @@ class SGLangAdapter:
         plan.hf_layer_ids = sorted(layers)
         steps.append(f"captured at the input of each listed layer, in layer order: hidden_states{plan.hf_layer_ids}")
         return plan
+
+    @torch.no_grad()
+    def capture_target(self, checkpoint: Checkpoint, target: TargetWeights, sequences: list[list[int]],
+                       options: RunOptions) -> TargetCapture:
+        """The target as an EAGLE-3 server runs it: the registry's class for the target, its
+        own load_weights over the target's safetensors, set_eagle3_layers_to_capture with
+        the ids SGLang's config resolution gives this draft, one EXTEND with full hidden
+        capture; the LogitsProcessor's hidden states are what the worker hands the draft."""
+        ensure_runtime(options.device)  # before any sglang import: it caches the platform at import
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+        from sglang.srt.model_loader.utils import get_model_architecture
+        from sglang.srt.server_args import ServerArgs
+
+        from difftest.engines.sglang_engine import batches
+        from difftest.target import target_tensors
+
+        plan = self.capture_plan(checkpoint, target, options)
+        t0 = time.perf_counter()
+        config = ModelConfig.from_server_args(ServerArgs(model_path=str(target.path), device=options.device.split(":")[0]))
+        model_cls, _ = get_model_architecture(config)
+        with _default_dtype(options.dtype), torch.device(options.device):
+            model = model_cls(config=config.hf_config).eval()
+        model.load_weights(target_tensors(target.path))
+        if plan.hf_layer_ids is not None:
+            model.set_eagle3_layers_to_capture(plan.configured_ids)
+        lens = [len(s) for s in sequences]
+        ids = torch.tensor([t for s in sequences for t in s], dtype=torch.int64)
+        kv = batches.KVSpace(config.hf_config, sum(lens), options.device, options.dtype)
+        batch, backend, _ = batches.extend_batch(kv, ids, lens, None, mode=ForwardMode.EXTEND)
+        out = batches.forward(model, batch, backend)
+        hidden = out.hidden_states.float().cpu()
+        layers = list(model.model.layers_to_capture) if plan.hf_layer_ids is not None else []
+        what = (f"aux capture at the input of layers {sorted(layers)}, packed in layer order" if layers else
+                "no aux capture: the hidden state the LogitsProcessor keeps (after the final norm)")
+        return TargetCapture(self.name, hidden, sorted(layers) or None, what, {"target": time.perf_counter() - t0})
 
     def _build(self, checkpoint: Checkpoint, target: TargetWeights, options: RunOptions):
         """SGLang's model from the serving config, through its own load_weights, with the
