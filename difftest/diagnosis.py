@@ -60,10 +60,6 @@ RULES: tuple[Rule, ...] = (
     Rule("config_flag_not_carried", findings=("config_flag_not_carried", "sliding_window_ignored"),
          explanation="A config field that changes the draft's forward did not reach, or is not honored by, the serving engine.",
          fix="Carry the field named in the audit findings into the serving config (and check the serving engine reads it)."),
-    Rule("norm_before_residual_ignored", findings=("norm_before_residual_ignored",),
-         explanation=("The draft was trained with norm_before_residual=true and the serving engine does not honor it "
-                      "(measured by the config audit), so the residual stream after attention differs."),
-         fix="Train with norm_before_residual=false for SGLang, or use a serving build that honors norm_before_residual."),
     Rule("keys_dropped", findings=("keys_dropped",),
          explanation=("The serving engine skipped checkpoint tensors whose names it does not know, without a word "
                       "(SGLang's load_weights ignores unknown names), so the parameters they were meant for stayed at "
@@ -132,6 +128,12 @@ RULES: tuple[Rule, ...] = (
     Rule("d2t_missing", findings=("d2t_missing", "t2d_bad_shape", "t2d_bad_count"),
          explanation="The draft vocab is smaller than the target's but there is no usable mapping, so draft ids are read as target ids.",
          fix=D2T_FIX),
+    # Below every injected-style cause: this one is a property of the trained draft, and whatever
+    # breaks upstream of the residual (capture, keys, heads, vocab) is the first thing to fix.
+    Rule("norm_before_residual_ignored", findings=("norm_before_residual_ignored",),
+         explanation=("The draft was trained with norm_before_residual=true and the serving engine does not honor it "
+                      "(measured by the config audit), so the residual stream after attention differs."),
+         fix="Train with norm_before_residual=false for SGLang, or use a serving build that honors norm_before_residual."),
     Rule("norm_before_residual_ignored", probes=("layer0.post_attn_residual",),
          explanation=(
              "The residual stream after attention differs while attention itself agrees: the draft was trained "

@@ -30,6 +30,7 @@ class ChunkMatch:
     chunk: int
     nearest_hf_layer: int
     vs_nearest: dict  # metrics against that HF layer
+    matches: bool  # within the tolerance of that layer: the chunk IS that layer
     vs_training: dict | None = None  # serving chunks: metrics against the training chunk at the same slot
 
     def as_dict(self) -> dict:
@@ -86,20 +87,20 @@ def measure_capture(states: CapturedStates, serving: TargetCapture, hf_layers: t
     chunks, training_ids, serving_ids = [], [], []
     for i, x in enumerate(trained):
         k, m = nearest_layer(x, hf_layers)
-        training_ids.append(k)
-        chunks.append(ChunkMatch("training", i, k, m))
+        training_ids.append(k if within(m, tol) else None)
+        chunks.append(ChunkMatch("training", i, k, m, within(m, tol)))
     for i, x in enumerate(served):
         k, m = nearest_layer(x, hf_layers)
-        serving_ids.append(k)
+        serving_ids.append(k if within(m, tol) else None)
         vs = activation_metrics(trained[i], x) if i < len(trained) and x.shape == trained[i].shape else None
-        chunks.append(ChunkMatch(serving.engine, i, k, m, vs))
+        chunks.append(ChunkMatch(serving.engine, i, k, m, within(m, tol), vs))
     parity = CaptureParity(serving.engine, serving.description, training_ids,
                            serving_ids if serving.hf_layer_ids is not None else None, chunks, tol.as_dict(),
                            {"training": int(states.aux_hidden_states.shape[1]), "serving": int(served_all.shape[1])})
     measured = {"trained_hf_ids": training_ids, "served_hf_ids": parity.serving_hf_ids,
                 "training_width": parity.width["training"], "serving_width": parity.width["serving"]}
     findings: list[Finding] = []
-    if list(states.aux_layer_ids) != training_ids:
+    if None not in training_ids and list(states.aux_layer_ids) != training_ids:
         findings.append(Finding(CHECK, "states_not_from_this_config", Severity.ERROR,
                                 f"the states file says hidden_states{list(states.aux_layer_ids)}, its chunks measure as "
                                 f"hidden_states{training_ids}", measured))
@@ -108,6 +109,11 @@ def measure_capture(states: CapturedStates, serving: TargetCapture, hf_layers: t
                                 f"{serving.engine}'s target hands the draft {served_all.shape[1]}-wide states "
                                 f"({serving.description}); the draft was trained on {len(trained)} layers, "
                                 f"{states.aux_hidden_states.shape[1]} wide", measured))
+        return parity, findings
+    if None in serving_ids or None in training_ids:
+        findings.append(Finding(CHECK, "target_capture_values_differ", Severity.ERROR,
+                                f"not every chunk equals a layer of this target (training: {training_ids}, "
+                                f"{serving.engine}: {serving_ids}; None: no layer within tolerance)", measured))
         return parity, findings
     named = classify_layers(serving.engine, serving_ids, training_ids, measured, "measurably captures", CHECK)
     if named:

@@ -234,10 +234,11 @@ def _acceptance_markdown(report: dict) -> list[str]:
                   f"hidden_states{tc['serving_hf_ids']}" if tc["serving_hf_ids"] is not None else
                   f"- {tc['serving_engine']}: {tc['serving_description']} ({tc['width']['serving']} wide, "
                   f"training {tc['width']['training']})", "",
-                  "| side | chunk | nearest layer | rel_max vs it | vs training chunk (rel_max) |", "|---|---|---|---|---|"]
+                  "| side | chunk | target layer it equals | rel_max vs it | vs training chunk (rel_max) |", "|---|---|---|---|---|"]
         for c in tc["chunks"]:
             vs = _fmt(c["vs_training"]["rel_max"]) if c.get("vs_training") else "-"
-            lines.append(f"| {c['side']} | {c['chunk']} | hidden_states[{c['nearest_hf_layer']}] | "
+            layer = f"hidden_states[{c['nearest_hf_layer']}]" + ("" if c["matches"] else " (closest; no match)")
+            lines.append(f"| {c['side']} | {c['chunk']} | {layer} | "
                          f"{_fmt(c['vs_nearest']['rel_max'])} | {vs} |")
         lines.append("")
     return lines
