@@ -168,6 +168,9 @@ def read_sglang_server(path: str | Path, aux_layer_ids, target_hidden: int, max_
     if not path.is_file():
         raise InputError(f"{path}: server hidden-states file not found")
     records = _server_records(path)[: max_requests or None]
+    if not records or not all(isinstance(r, dict) and "meta_info" in r for r in records):
+        raise InputError(f"{path}: not SGLang server responses (no meta_info per request); --states takes a difftest "
+                         "states file, a speculators datagen directory, or SGLang /generate responses (.json/.jsonl)")
     A = len(aux_layer_ids)
     rows = []
     for n, rec in enumerate(records):

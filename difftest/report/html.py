@@ -97,6 +97,70 @@ def error_plot_png(report: dict) -> bytes:
     return buf.getvalue()
 
 
+def acceptance_plot_png(acc: dict) -> bytes:
+    """Each engine's chain reach (P(steps 1..j all accepted)) per step, with training's full_acc_j."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    for side, marker in (("reference", "o"), ("candidate", "s")):
+        e = acc[side]
+        steps = range(1, e["steps"] + 1)
+        ax.plot(list(steps), e["reach"], marker=marker,
+                label=f"{e['engine']} (mean accept length {e['mean_accept_length']:.3f})")
+    train = acc.get("training") or {}
+    tr = [train[f"full_acc_{j}"] for j in range(acc["reference"]["steps"]) if f"full_acc_{j}" in train]
+    if tr:
+        ax.plot(list(range(1, len(tr) + 1)), tr, linestyle="--", marker="x", color="#555", label="training full_acc (held-out)")
+    ax.set_xlabel("draft step j")
+    ax.set_ylabel("P(steps 1..j accepted)")
+    ax.set_xticks(list(range(1, acc["reference"]["steps"] + 1)))
+    ax.set_ylim(0, max(0.05, max(acc["reference"]["reach"] + acc["candidate"]["reach"] + tr) * 1.15))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"Predicted acceptance on {acc['reference']['scored_rows']} rows")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _acceptance_html(report: dict) -> list[str]:
+    parts = []
+    acc = report.get("acceptance")
+    if acc:
+        k = acc["reference"]["steps"]
+        rows = [[_e(e["engine"]), _fmt(e["mean_accept_length"])] +
+                [f"{c:.3f} (reach {r:.3f})" for c, r in zip(e["conditional"], e["reach"])]
+                for e in (acc["reference"], acc["candidate"])]
+        train = acc.get("training") or {}
+        if train:
+            rows.append(["training (full_acc, held-out)", "-"] +
+                        [f"reach {train[f'full_acc_{j}']:.3f}" if f"full_acc_{j}" in train else "-" for j in range(k)])
+        png = base64.b64encode(acceptance_plot_png(acc)).decode()
+        verdict = "agree" if acc["agree"] else "DISAGREE"
+        parts.append(f"<h2 id='acceptance'>Predicted acceptance (chain draft, greedy verification)</h2>"
+                     f"<p>{acc['reference']['scored_rows']} rows scored against the target's greedy continuation "
+                     f"({_e(acc['continuation_source'])}). Engines <b>{verdict}</b>: gap {acc['accept_length_gap']:+.3f}, "
+                     f"tolerance ±{acc['tolerance_accept_length']}.</p>"
+                     + _table(["engine", "mean accept length"] + [f"step {j + 1}" for j in range(k)], rows)
+                     + "<ul>" + "".join(f"<li>{_e(x)}</li>" for x in acc["explanation"]) + "</ul>"
+                     + f"<img class='plot' alt='acceptance plot' src='data:image/png;base64,{png}'>")
+    tc = report.get("target_capture")
+    if tc:
+        rows = [[_e(c["side"]), c["chunk"], f"hidden_states[{c['nearest_hf_layer']}]" + ("" if c["matches"] else " (closest; no match)"),
+                 _fmt(c["vs_nearest"]["rel_max"]), _fmt(c["vs_training"]["rel_max"]) if c.get("vs_training") else "-"]
+                for c in tc["chunks"]]
+        parts.append(f"<h2 id='target-capture'>Target capture parity (measured)</h2>"
+                     f"<p>{_e(tc['serving_engine'])}: {_e(tc['serving_description'])}. Training chunks: "
+                     f"hidden_states{_e(tc['training_hf_ids'])}; serving chunks: {_e(tc['serving_hf_ids'])}.</p>"
+                     + _table(["side", "chunk", "target layer it equals", "rel_max vs it", "vs training chunk (rel_max)"], rows))
+    return parts
+
+
 def render_html(report: dict) -> str:
     verdict = report["verdict"]
     diag = report.get("diagnosis")
@@ -139,10 +203,7 @@ def render_html(report: dict) -> str:
     parts.append(f"<p>Tolerance ({_e(tol['dtype'])}): rel_max {tol['rel_max']}, rel_diff {tol['rel_diff']}, "
                  f"token near-tie margin {tol['near_tie_margin']}.</p>")
 
-    for key, title in (("acceptance", "Acceptance"), ("training", "Training")):
-        if report.get(key):
-            parts.append(f"<h2>{title}</h2>" + _table(["figure", "value"],
-                                                       [[_e(k), _fmt(v)] for k, v in report[key].items()]))
+    parts += _acceptance_html(report)
 
     audit = report.get("audit") or {}
     if audit.get("findings"):
