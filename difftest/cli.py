@@ -299,10 +299,10 @@ def fuzz(
 
 @app.command("build-fixtures")
 def build_fixtures(
-    which: str = typer.Argument("tiny", help="tiny | default"),
-    out: Optional[Path] = typer.Option(None, help="output dir (tiny only; default fixtures/tiny)"),
+    which: str = typer.Argument("tiny", help="tiny | default | llama3.1-8b | kimi-k2.5 (random weights at real shapes)"),
+    out: Optional[Path] = typer.Option(None, help="output dir (tiny: default fixtures/tiny; real shapes: default .cache/difftest/<name>)"),
 ) -> None:
-    """Build the tiny committed fixture, or the SmolLM2 default fixture into the cache."""
+    """Build the tiny committed fixture, the SmolLM2 default fixture, or a real-shape random draft."""
     quiet_engines(False)
     if which == "tiny":
         from difftest.fixturegen import tiny
@@ -315,8 +315,14 @@ def build_fixtures(
 
         fx = default_fixture(progress=True)
         typer.echo(f"built {fx.checkpoint}")
+    elif which in ("llama3.1-8b", "kimi-k2.5"):
+        from difftest.fixturegen import realshape
+        from difftest.fixturegen.cache import cache_root
+
+        dest = realshape.build(which, out or cache_root() / which)
+        typer.echo(f"built {dest} (speculators/, legacy/, target/, states.safetensors)")
     else:
-        fail(f"unknown fixture {which!r}: expected tiny or default")
+        fail(f"unknown fixture {which!r}: expected tiny, default, llama3.1-8b or kimi-k2.5")
 
 
 def main() -> None:

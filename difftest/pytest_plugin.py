@@ -1,7 +1,8 @@
 """pytest plugin: `pytest difftest/` runs the parity suite on a checkpoint.
 
 Options: --difftest-ckpt DIR (default: the embedded fixture), --difftest-target DIR,
---difftest-states FILE, --difftest-dtype fp32|bf16, --difftest-device cpu|cuda.
+--difftest-states FILE, --difftest-dtype fp32|bf16, --difftest-device cpu|cuda,
+--difftest-chain-steps K.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ def pytest_addoption(parser):
     group.addoption("--difftest-dtype", default="auto", help="auto (checkpoint's stored dtype) | fp32 | bf16 | fp16")
     group.addoption("--difftest-device", default="cpu", help="cpu | cuda")
     group.addoption("--difftest-max-tokens", default=None, type=int, help="limit the states to this many tokens")
+    group.addoption("--difftest-chain-steps", default=3, type=int,
+                    help="draft steps per chain for the predicted-acceptance test (0: skip it)")
 
 
 @pytest.fixture(scope="session")
@@ -40,9 +43,10 @@ def difftest_result(request):
         fx = default_fixture(progress=False)
         ckpt, target, states = fx.checkpoint, target or fx.target, states or fx.states
     try:
-        inputs = prepare(ckpt, target, states, max_tokens=opt("--difftest-max-tokens"))
+        inputs = prepare(ckpt, target, states, max_tokens=opt("--difftest-max-tokens"), device=opt("--difftest-device"))
     except InputError as exc:
         pytest.fail(f"difftest: {exc}", pytrace=False)
     name = opt("--difftest-dtype")
     dtype = inputs.checkpoint.stored_dtype() if name == "auto" else DTYPES[name]
-    return run(inputs, dtype=dtype, device=opt("--difftest-device"))
+    return run(inputs, dtype=dtype, device=opt("--difftest-device"), chain_steps=opt("--difftest-chain-steps"),
+               measure_target_capture=True)

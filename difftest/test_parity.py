@@ -43,3 +43,24 @@ def test_probe_parity(difftest_result, difftest_on_embedded_fixture, probe, requ
 def test_kernel_standin_never_called(difftest_result):
     standin = difftest_result.candidate.details["sgl_kernel_standin"]
     assert standin["total_calls"] == 0, f"sgl_kernel stand-in was called: {standin['calls']}"
+
+
+def test_predicted_acceptance_agrees(difftest_result):
+    acc = difftest_result.acceptance
+    if acc is None:
+        pytest.skip("--difftest-chain-steps 0: acceptance not simulated")
+    assert acc.reference.scored_rows > 0, "no row could be scored: no response rows with a greedy continuation"
+    assert acc.agree, (
+        f"predicted mean accept length {acc.candidate.engine} {acc.candidate.mean_accept_length:.3f} vs "
+        f"{acc.reference.engine} {acc.reference.mean_accept_length:.3f} (tolerance ±{acc.tolerance}); "
+        f"per-step reach {acc.candidate.reach} vs {acc.reference.reach}"
+        + (f"\nroot cause: {difftest_result.diagnosis.cause}" if difftest_result.diagnosis else ""))
+
+
+def test_target_capture_parity(difftest_result):
+    tc = difftest_result.target_capture
+    if tc is None:
+        pytest.skip("the states carry no first_token_ids, so the target cannot be re-run on their sequences")
+    found = [f for f in difftest_result.findings if f.check == "target_capture"]
+    assert not found, "; ".join(f"{f.cause}: {f.message}" for f in found)
+    assert tc.serving_hf_ids == tc.training_hf_ids

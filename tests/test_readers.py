@@ -111,7 +111,8 @@ def test_sglang_server_single_layer_rows_name_aux_capture_off(tmp_path):
 
 
 @pytest.mark.parametrize("bad,match", [
-    ({"input_ids": [1, 2]}, "needs input_ids, output_ids"),
+    ({"input_ids": [1, 2]}, "not SGLang server responses"),
+    ({"input_ids": [1, 2], "meta_info": {}}, "needs input_ids, output_ids"),
     ({"input_ids": [1, 2], "output_ids": [3], "meta_info": {"hidden_states": [[[0.0] * 24] * 5]}}, "5 hidden-state rows"),
     ({"input_ids": [1, 2], "output_ids": [3], "meta_info": {"hidden_states": [[0.0] * 24]}}, "prefill block"),
 ])
