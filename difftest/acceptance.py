@@ -33,6 +33,8 @@ class TargetContinuation:
     next_token: torch.Tensor  # [T]: the target's greedy token after row t's token, or UNKNOWN
     source: str
     recorded_matches: float  # share of known rows whose recorded next token is the target's greedy one
+    # True: next_token is the recorded sequence itself, so a request's last row has no reference.
+    from_recording: bool = False
 
 
 @torch.no_grad()
@@ -61,7 +63,7 @@ def target_continuation(states: CapturedStates, target: TargetWeights) -> Target
         source = "recorded sequence (no verifier states: taken as the target's temperature-0 output)"
     known = (recorded != UNKNOWN) & (nxt != UNKNOWN)
     matches = float((recorded[known] == nxt[known]).float().mean()) if known.any() else 0.0
-    return TargetContinuation(nxt, source, matches)
+    return TargetContinuation(nxt, source, matches, states.verifier_last_hidden_states is None)
 
 
 def scored_rows(states: CapturedStates, cont: TargetContinuation, steps: int) -> torch.Tensor:
@@ -75,7 +77,7 @@ def scored_rows(states: CapturedStates, cont: TargetContinuation, steps: int) ->
     start = 0
     for n in states.seq_lens.tolist():
         for t in range(start, start + n - steps + 1):
-            if t + steps > start + n - 1 and cont.source.startswith("recorded"):
+            if t + steps > start + n - 1 and cont.from_recording:
                 continue
             window = nxt[t:t + steps]
             if (window == UNKNOWN).any() or not bool(mask[t + 1] if t + 1 < start + n else False):

@@ -101,10 +101,9 @@ def _datagen_loss_masks(path: Path, n: int) -> list[list[int]] | None:
 
 def read_datagen(path: str | Path, aux_layer_ids, max_requests: int | None = None) -> CapturedStates:
     path = Path(path)
-    files = _datagen_files(path)
-    if max_requests:
-        files = files[:max_requests]
-    masks = _datagen_loss_masks(path, len(_datagen_files(path)))
+    every = _datagen_files(path)
+    masks = _datagen_loss_masks(path, len(every))
+    files = every[:max_requests] if max_requests else every
     A = len(aux_layer_ids)
     rows = []
     for i, f in enumerate(files):

@@ -86,22 +86,25 @@ def target_tensors(path: str | Path):
 
 
 @torch.no_grad()
+def layer_boundaries(model, ids: list[int]) -> torch.Tensor:
+    """One sequence through a transformers Llama: [n + 1, L, H], index k = HF hidden_states[k]
+    for k < n, index n = the last layer's output BEFORE the final norm (HF's own
+    hidden_states[-1] is after it)."""
+    pre_norm: list[torch.Tensor] = []
+    handle = model.model.norm.register_forward_pre_hook(lambda _m, args: pre_norm.append(args[0].detach()))
+    try:
+        out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+    finally:
+        handle.remove()
+    n = len(out.hidden_states) - 1
+    return torch.stack([h[0] for h in out.hidden_states[:n]] + [pre_norm[-1][0]]).float()
+
+
+@torch.no_grad()
 def hf_layer_states(path: str | Path, sequences: list[list[int]]) -> torch.Tensor:
-    """Every layer boundary of the target's transformers forward, in the neutral convention:
-    [n + 1, tokens, H], index k = HF hidden_states[k] for k < n, index n = the last layer's
-    output BEFORE the final norm (HF's own hidden_states[-1] is after it)."""
+    """Every layer boundary of the target's transformers forward over the packed sequences:
+    [n + 1, tokens, H], in the neutral convention of layer_boundaries."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    pre_norm: list[torch.Tensor] = []
-    handle = model.model.norm.register_forward_pre_hook(lambda _m, args: pre_norm.append(args[0].detach()))
-    parts = []
-    try:
-        for ids in sequences:
-            pre_norm.clear()
-            out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
-            n = len(out.hidden_states) - 1
-            parts.append(torch.stack([h[0] for h in out.hidden_states[:n]] + [pre_norm[-1][0]]).float())
-    finally:
-        handle.remove()
-    return torch.cat(parts, dim=1)
+    return torch.cat([layer_boundaries(model, ids) for ids in sequences], dim=1)

@@ -21,20 +21,14 @@ def capture_states(model, sequences: list[list[int]], aux_layer_ids: list[int], 
     """shift=True pairs them as the draft consumes them (speculators' shift_batch, and the
     EAGLE worker): token t+1 with the target's states at token t, and the verifier state
     that scores token t+1's prediction."""
+    from difftest.target import layer_boundaries
+
     model.eval()
-    pre_norm: list[torch.Tensor] = []
-    handle = model.model.norm.register_forward_pre_hook(lambda _m, args: pre_norm.append(args[0].detach()))
     aux_parts, last_parts = [], []
-    try:
-        for ids in sequences:
-            pre_norm.clear()
-            out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
-            n = len(out.hidden_states) - 1
-            hs = list(out.hidden_states[:n]) + [pre_norm[-1]]
-            aux_parts.append(torch.cat([hs[k][0] for k in aux_layer_ids], dim=-1).float())
-            last_parts.append(pre_norm[-1][0].float())
-    finally:
-        handle.remove()
+    for ids in sequences:
+        hs = layer_boundaries(model, ids)
+        aux_parts.append(torch.cat([hs[k] for k in aux_layer_ids], dim=-1))
+        last_parts.append(hs[-1])
     first = None
     if shift:
         first = torch.tensor([ids[0] for ids in sequences], dtype=torch.int64)
