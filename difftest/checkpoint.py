@@ -151,14 +151,11 @@ class Checkpoint:
             return f.get_tensor(name)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Stream (name, tensor) pairs file by file, so only one file is open at a time."""
-        by_file: dict[Path, list[str]] = {}
-        for name, file in self._files.items():
-            by_file.setdefault(file, []).append(name)
-        for file, names in by_file.items():
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in names:
-                    yield name, f.get_tensor(name)
+        """Stream (name, tensor) pairs, each memory-mapped from its file on its own: a tensor's
+        pages are resident only while its consumer holds it, so walking a checkpoint (an
+        engine's load_weights, a NaN scan) never holds more than one tensor of it at once."""
+        for name in self._files:
+            yield name, self.get(name)
 
     def stored_dtype(self) -> torch.dtype:
         """The dtype most floating-point tensors were saved in: the precision the draft ships at."""

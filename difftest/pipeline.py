@@ -64,6 +64,19 @@ class RunResult:
     acceptance: object = None  # acceptance.AcceptanceComparison, when simulated
 
 
+def release_memory() -> None:
+    """Hand freed engine memory back to the OS between phases. Without it glibc keeps the
+    freed arenas of one engine's load, and the next engine's peak lands on top of them."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 def resolve_target_path(ckpt: Checkpoint, target: str | Path | None) -> Path:
     if target is not None:
         return Path(target)
@@ -143,15 +156,21 @@ def run(
     candidate = candidate or candidate_adapter()
     options = RunOptions(dtype=dtype, device=device, serving=serving)
     t0 = time.perf_counter()
-    on_step(f"{reference.name}: load and forward")
-    ref_run = reference.run(inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=dtype, device=device))
-    on_step(f"{candidate.name}: load and forward")
-    cand_run = candidate.run(inputs.checkpoint, inputs.target, inputs.states, options)
+    chained = f" and {chain_steps}-step chain draft" if chain_steps > 0 else ""
+    on_step(f"{reference.name}: load, forward{chained}")
+    ref_run = reference.run(inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=dtype, device=device),
+                            chain_steps=chain_steps)
+    release_memory()
+    on_step(f"{candidate.name}: load, forward{chained}")
+    cand_run = candidate.run(inputs.checkpoint, inputs.target, inputs.states, options, chain_steps=chain_steps)
+    release_memory()
     floor = None
     if measure_noise if measure_noise is not None else dtype != torch.float32:
         on_step(f"{reference.name}: fp32 run for the noise floor")
         full = reference.run(inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=torch.float32, device=device))
         floor = noise_floor(ref_run, full)
+        del full
+        release_memory()
     tol = tolerance_for(dtype)
     comparison = compare_runs(ref_run.probes, cand_run.probes, tol, {**ref_run.missing, **cand_run.missing})
     on_step("audit: ledgers, vocab, config translation, target capture")
@@ -170,7 +189,9 @@ def run(
     diagnosis = diagnose(comparison, findings)
     accept = None
     if chain_steps > 0:
-        accept = predict_acceptance(inputs, reference, candidate, options, chain_steps, training_metrics, on_step)
+        from difftest.acceptance import compare_acceptance
+
+        accept = compare_acceptance(ref_run.chain, cand_run.chain, inputs.states, inputs.target, training_metrics)
     return RunResult(
         inputs=inputs, options=options, tolerance=tol, reference=ref_run, candidate=cand_run,
         comparison=comparison, diagnosis=diagnosis, noise_floor=floor,
@@ -196,18 +217,6 @@ def target_capture_parity(inputs: RunInputs, candidate: EngineAdapter, options: 
     on_step("target: transformers forward for every layer boundary")
     layers = hf_layer_states(inputs.target.path, sequences)[:, draft_row_index(inputs.states)]
     return measure_capture(inputs.states, served, layers, tolerance_for(torch.float32))
-
-
-def predict_acceptance(inputs: RunInputs, reference: EngineAdapter, candidate: EngineAdapter, options: RunOptions,
-                       steps: int, training_metrics: dict | None, on_step: Callable[[str], None]):
-    from difftest.acceptance import compare_acceptance
-
-    on_step(f"{reference.name}: {steps}-step chain draft")
-    ref = reference.chain(inputs.checkpoint, inputs.target, inputs.states, steps,
-                          RunOptions(dtype=options.dtype, device=options.device))
-    on_step(f"{candidate.name}: {steps}-step chain draft")
-    cand = candidate.chain(inputs.checkpoint, inputs.target, inputs.states, steps, options)
-    return compare_acceptance(ref, cand, inputs.states, inputs.target, training_metrics)
 
 
 def audit(inputs: RunInputs, reference: EngineAdapter, candidate: EngineAdapter, ref_run: EngineRun,

@@ -7,7 +7,8 @@ worker shares the target's embedding with its draft instead of copying it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +24,20 @@ class TargetWeights:
     embed: torch.Tensor  # [vocab, hidden]
     lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
     norm: torch.Tensor  # [hidden]
+    # (tensor name, device, dtype) -> the converted tensor, alive only while an engine holds it
+    _converted: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary, repr=False)
+
+    def shared(self, name: str, device, dtype: torch.dtype) -> torch.nn.Parameter:
+        """`embed`, `lm_head` or `norm` as a frozen parameter on a device and dtype, the same
+        object for every engine that asks while one holds it: the stored tensor itself where
+        nothing changes (memory-mapped from the target's file), else one conversion both
+        engines share instead of one copy each."""
+        key = (name, str(torch.device(device)), dtype)
+        param = self._converted.get(key)
+        if param is None:
+            param = torch.nn.Parameter(getattr(self, name).to(device=device, dtype=dtype), requires_grad=False)
+            self._converted[key] = param
+        return param
 
     @property
     def hidden_size(self) -> int:

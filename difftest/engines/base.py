@@ -94,6 +94,7 @@ class EngineRun:
     timings_s: dict[str, float] = field(default_factory=dict)
     details: dict = field(default_factory=dict)
     ledger: LoadLedger = field(default_factory=LoadLedger)
+    chain: "ChainRun | None" = None  # when run with chain_steps > 0: the same loaded model's chain draft
 
 
 @dataclass
@@ -156,13 +157,9 @@ class EngineAdapter(Protocol):
         target: TargetWeights,
         states: CapturedStates,
         options: RunOptions,
-    ) -> EngineRun: ...
-
-    def chain(
-        self,
-        checkpoint: Checkpoint,
-        target: TargetWeights,
-        states: CapturedStates,
-        steps: int,
-        options: RunOptions,
-    ) -> ChainRun: ...
+        chain_steps: int = 0,
+    ) -> EngineRun:
+        """Load the draft once, record the probes of one draft forward and, with chain_steps > 0,
+        draft that many chained steps from every row with the same model (EngineRun.chain).
+        One load per engine: at real shapes a second load costs a minute and a second copy."""
+        ...

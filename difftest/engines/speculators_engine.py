@@ -62,15 +62,46 @@ class SpeculatorsAdapter:
             config = Eagle3SpeculatorConfig.from_pretrained(str(src))
             config.transformer_layer_config._attn_implementation = ATTN_IMPL.get(options.device.split(":")[0], "sdpa")
             config.speculators_config.verifier.name_or_path = str(target.path)
+            # Loaded at the stored dtype and cast afterwards, parameter by parameter: from_pretrained
+            # holds about two copies while it loads, so loading a bf16 draft straight into fp32
+            # peaks at twice the fp32 model (measured at the 8B shape: 9.8 GiB against 8.5).
             model = Eagle3DraftModel.from_pretrained(str(src), config=config)
         # speculators initializes embed/lm_head to NaN; whatever is still NaN now is what
         # load_verifier_weights will fill from the target.
         nan_before_verifier = {n for n, t in model.state_dict().items() if t.is_floating_point() and t.isnan().all()}
         model.load_verifier_weights()
+        self._share_target_embed(model, target, options, nan_before_verifier)
         model = model.to(device=options.device, dtype=options.dtype).eval()
+        if any(p.dtype != checkpoint.stored_dtype() for p in model.parameters()):
+            self._release_checkpoint_file(model)
         return model, config, nan_before_verifier
 
-    def run(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, options: RunOptions) -> EngineRun:
+    @staticmethod
+    def _release_checkpoint_file(model) -> None:
+        """from_pretrained maps the weights straight from the checkpoint file. After a cast the
+        parameters are copies, but the integer buffers (d2t, t2d) are not cast and keep the
+        whole mapping, and every page the load touched, resident (1.7 GiB at the 8B shape).
+        Copies of those few buffers let it go."""
+        for module in model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[key] = buf.clone()
+
+    @staticmethod
+    def _share_target_embed(model, target: TargetWeights, options: RunOptions, from_verifier: set[str]) -> None:
+        """A checkpoint without embed_tokens gets the verifier's from load_verifier_weights, a
+        second copy of a tensor difftest already holds: point the parameter at the target's
+        own (same file, same values) instead. A checkpoint that ships its own embedding keeps
+        it: that is what training used, and whether it matches the target is for the probes."""
+        if "embed_tokens.weight" not in from_verifier:
+            return
+        shared = target.shared("embed", options.device, options.dtype)
+        if shared.shape != model.embed_tokens.weight.shape or not torch.equal(shared, model.embed_tokens.weight.to(shared)):
+            return  # not the same tensor after all; keep what speculators loaded
+        model.embed_tokens.weight = shared
+
+    def run(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, options: RunOptions,
+            chain_steps: int = 0) -> EngineRun:
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         import speculators.models.eagle3  # noqa: F401
@@ -81,7 +112,7 @@ class SpeculatorsAdapter:
         timings["load"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        probes = self._forward(model, states, options)
+        probes, draft_steps = self._forward(model, states, options, max(chain_steps, 1))
         timings["forward"] = time.perf_counter() - t0
         details = {
             "module_graph": [f"{n}:{type(m).__name__}" for n, m in model.named_modules()],
@@ -91,18 +122,15 @@ class SpeculatorsAdapter:
         missing = self._unmapped(checkpoint, model)
         for name in missing:
             probes.pop(name, None)
+        chain = self._chain(model, checkpoint, draft_steps, timings["forward"]) if chain_steps > 0 else None
         return EngineRun(engine=self.name, probes=probes, missing=missing, timings_s=timings, details=details,
-                         ledger=self._ledger(model, checkpoint, nan_before_verifier))
+                         ledger=self._ledger(model, checkpoint, nan_before_verifier), chain=chain)
 
-    @torch.no_grad()
-    def chain(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, steps: int,
-              options: RunOptions) -> ChainRun:
-        """speculators' own test-time-training unroll: `steps` TTT steps over the packed rows.
+    def _chain(self, model, checkpoint: Checkpoint, draft_steps, seconds: float) -> ChainRun:
+        """speculators' own test-time-training unroll, `steps` TTT steps over the packed rows
+        (the probes' forward was that unroll: its first step is the one-step forward).
         Step j at row t reads the recorded token t+j (teacher forcing) and its own previous
         hidden state; on the accepted path that token is the draft's own previous guess."""
-        t0 = time.perf_counter()
-        model, _, _ = self._build(checkpoint, target, options)
-        draft_steps = model(**self._inputs(states, options), ttt_steps=steps)
         draft = torch.stack([d[0].cpu() for d in draft_steps], dim=1)
         notes = []
         if model.d2t is not None and checkpoint.has("d2t"):
@@ -111,7 +139,7 @@ class SpeculatorsAdapter:
             tokens = draft.clone()
             if model.d2t is not None:
                 notes.append("no d2t in the checkpoint: draft ids taken as target ids")
-        return ChainRun(self.name, tokens, draft, {"chain": time.perf_counter() - t0}, notes)
+        return ChainRun(self.name, tokens, draft, {"chain": seconds}, notes)
 
     @staticmethod
     def _ledger(model, checkpoint: Checkpoint, from_verifier: set[str]) -> LoadLedger:
@@ -149,7 +177,8 @@ class SpeculatorsAdapter:
                 "position_ids": positions.to(device)[None]}
 
     @torch.no_grad()
-    def _forward(self, model, states: CapturedStates, options: RunOptions) -> dict[str, torch.Tensor]:
+    def _forward(self, model, states: CapturedStates, options: RunOptions, ttt_steps: int):
+        """Probes of the first TTT step (hooks keep a module's first call) and every step's draft."""
         p = ProbeRecorder(drop_batch_dim=True)
         layer0 = model.layers[0]
         p.output(model.embed_tokens, "embed")
@@ -165,7 +194,7 @@ class SpeculatorsAdapter:
         p.output(model.norm, "final_norm")
         p.output(model.lm_head, "logits")
         try:
-            draft_tokens = model(**self._inputs(states, options), ttt_steps=1)
+            draft_tokens = model(**self._inputs(states, options), ttt_steps=ttt_steps)
         finally:
             p.remove()
         values = p.values
@@ -173,7 +202,7 @@ class SpeculatorsAdapter:
         values["draft_token"] = draft
         # speculators stores d2t as offsets: target = draft + d2t[draft] (its xpress model does the same).
         values["target_token"] = draft + model.d2t.cpu()[draft] if model.d2t is not None else draft.clone()
-        return values
+        return values, draft_tokens
 
     @staticmethod
     def _unmapped(checkpoint: Checkpoint, model) -> dict[str, str]:

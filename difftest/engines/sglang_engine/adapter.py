@@ -226,7 +226,8 @@ class SGLangAdapter:
         details = {"conversion_notes": conversion_notes, "served_config": cfg_dict, "lm_head_path": share["path"]}
         return model, ledger, details
 
-    def run(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, options: RunOptions) -> EngineRun:
+    def run(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, options: RunOptions,
+            chain_steps: int = 0) -> EngineRun:
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         standin = ensure_runtime(options.device)
@@ -237,31 +238,33 @@ class SGLangAdapter:
         timings["load"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        probes, missing = self._forward(model, target, states, options)
+        probes, missing, extend = self._forward(model, target, states, options, max(chain_steps, 1))
         timings["forward"] = time.perf_counter() - t0
+        chain = None
+        if chain_steps > 0:
+            t0 = time.perf_counter()
+            chain = self._chain(model, states, extend, chain_steps, options)
+            chain.timings_s["chain"] = timings["forward"] + time.perf_counter() - t0
 
         details["sgl_kernel_standin"] = standin.as_dict()
         details["module_graph"] = [f"{n}:{type(m).__name__}" for n, m in model.named_modules()]
-        return EngineRun(engine=self.name, probes=probes, missing=missing, timings_s=timings, details=details, ledger=ledger)
+        return EngineRun(engine=self.name, probes=probes, missing=missing, timings_s=timings, details=details,
+                         ledger=ledger, chain=chain)
 
-    def chain(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, steps: int,
-              options: RunOptions) -> ChainRun:
-        """The EAGLE worker's topk=1 chain: one draft EXTEND over the prompt rows, then
-        decode steps that each feed back the draft's own token (as a target id, through
-        hot_token_id) and its own hidden state, every row a request sharing the prefix KV."""
-        from difftest.engines.sglang_engine.chain import run_chain
+    def _chain(self, model, states: CapturedStates, extend, steps: int, options: RunOptions) -> ChainRun:
+        """The EAGLE worker's topk=1 chain: the probes' draft EXTEND over the prompt rows is its
+        step 0, then decode steps that each feed back the draft's own token (as a target id,
+        through hot_token_id) and its own hidden state, every row a request sharing the prefix KV."""
+        from difftest.engines.sglang_engine.chain import continue_chain
 
-        ensure_runtime(options.device)
-        t0 = time.perf_counter()
-        model, _, _ = self._build(checkpoint, target, options)
-        draft = run_chain(model, states, self._draft_input_states(states, options), steps, options)
+        draft = continue_chain(model, states, extend, steps)
         hot = model.get_hot_token_id()
         notes = []
         if hot is not None and int(draft.max()) >= hot.numel():
             notes.append("draft ids index past hot_token_id: the head is not draft-vocab; ids taken as target ids")
             hot = None
         tokens = hot.cpu()[draft] if hot is not None else draft
-        return ChainRun(self.name, tokens, draft, {"chain": time.perf_counter() - t0}, notes)
+        return ChainRun(self.name, tokens, draft, {}, notes)
 
     @staticmethod
     def _ledger(model, served_names: dict[str, str], recorder: "_LoadRecorder", shared: list[str]) -> LoadLedger:
@@ -305,10 +308,10 @@ class SGLangAdapter:
     def _share_target(model, target: TargetWeights, options: RunOptions) -> dict:
         """Follow the EAGLE worker's init_lm_head: set_embed_and_head or set_embed."""
         dtype, device = options.dtype, options.device
-        embed = torch.nn.Parameter(target.embed.to(device=device, dtype=dtype), requires_grad=False)
+        embed = target.shared("embed", device, dtype)
         shared: list[str] = []
         if options.serving.lm_head_from_target or model.load_lm_head_from_target:
-            head = torch.nn.Parameter(target.lm_head.to(device=device, dtype=dtype), requires_grad=False)
+            head = target.shared("lm_head", device, dtype)
             model.set_embed_and_head(embed, head)
             shared = ["model.embed_tokens.weight", "lm_head.weight"]
             path = "set_embed_and_head"
@@ -333,14 +336,16 @@ class SGLangAdapter:
         return states.verifier_last_hidden_states
 
     @torch.no_grad()
-    def _forward(self, model, target: TargetWeights, states: CapturedStates, options: RunOptions):
+    def _forward(self, model, target: TargetWeights, states: CapturedStates, options: RunOptions, kv_rounds: int):
+        """The draft EXTEND, probed. The KV pool has room for kv_rounds tokens per row, so a
+        chain can continue from this very EXTEND (its step 0) instead of running it again."""
         from difftest.engines.sglang_engine import batches
 
         device, dtype = options.device, options.dtype
         hidden = self._draft_input_states(states, options)
-        kv = batches.KVSpace(model.config, states.num_tokens, device, dtype)
-        batch, backend, _ = batches.extend_batch(kv, states.input_ids, [int(n) for n in states.seq_lens.tolist()],
-                                                 hidden.to(device=device, dtype=dtype))
+        kv = batches.KVSpace(model.config, states.num_tokens * kv_rounds, device, dtype)
+        batch, backend, slots = batches.extend_batch(kv, states.input_ids, [int(n) for n in states.seq_lens.tolist()],
+                                                     hidden.to(device=device, dtype=dtype))
 
         probes = ProbeRecorder()
         inner = model.model
@@ -381,4 +386,4 @@ class SGLangAdapter:
                                        f"({hot.numel()} entries): the head is not draft-vocab")
         else:
             values["target_token"] = hot.cpu()[draft] if hot is not None else draft.clone()
-        return values, missing
+        return values, missing, batches.Extended(kv, slots, out.next_token_logits.argmax(dim=-1), out.hidden_states)

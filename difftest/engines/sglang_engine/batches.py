@@ -10,6 +10,7 @@ the comparison about the model code rather than about attention kernels.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -44,6 +45,16 @@ class KVSpace:
         req_pool.req_to_token[:, :width] = req_to_token.to(req_pool.req_to_token.dtype)
         return TorchNativeAttnBackend(SimpleNamespace(device=self.device, req_to_token_pool=req_pool,
                                                       token_to_kv_pool=self.pool))
+
+
+@dataclass
+class Extended:
+    """What a draft EXTEND leaves behind for the decode steps after it."""
+
+    kv: KVSpace
+    slots: torch.Tensor  # [T] the KV slots its rows were written to
+    draft: torch.Tensor  # [T] its argmax draft ids
+    hidden: torch.Tensor | None  # [T, H] the hidden states it hands the next step
 
 
 def extend_batch(kv: KVSpace, input_ids: torch.Tensor, lens: list[int], hidden: torch.Tensor, mode=None,

@@ -11,44 +11,44 @@ from __future__ import annotations
 
 import torch
 
-from difftest.engines.base import RunOptions
 from difftest.engines.sglang_engine import batches
 from difftest.states import CapturedStates
 
 
+def prefix_table(slots: torch.Tensor, seq_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """[T + 1, width] req_to_token rows (row 0 is SGLang's unused one): row t + 1 lists the
+    slots of row t's request up to and including t, then zeros."""
+    T = int(slots.shape[0])
+    starts = torch.repeat_interleave(torch.cumsum(seq_lens, 0) - seq_lens, seq_lens)  # [T] each row's request start
+    local = torch.arange(T) - starts  # [T] each row's position in its request
+    cols = torch.arange(width)
+    keep = cols[None, :] <= local[:, None]
+    src = (starts[:, None] + cols[None, :]).clamp(max=T - 1)
+    table = torch.zeros(T + 1, width, dtype=torch.int64)
+    table[1:] = torch.where(keep, slots.cpu()[src], 0)
+    return table
+
+
 @torch.no_grad()
-def run_chain(model, states: CapturedStates, hidden: torch.Tensor, steps: int, options: RunOptions) -> torch.Tensor:
+def continue_chain(model, states: CapturedStates, extend: "batches.Extended", steps: int) -> torch.Tensor:
     """Draft-vocab ids [T, steps]: row t, step j is the draft's guess for the token j+1 after row t's."""
-    device, dtype = options.device, options.dtype
-    lens = [int(n) for n in states.seq_lens.tolist()]
-    T = sum(lens)
-    kv = batches.KVSpace(model.config, T * steps, device, dtype)
-    batch, backend, slots = batches.extend_batch(kv, states.input_ids, lens, hidden.to(device=device, dtype=dtype))
-    out = batches.forward(model, batch, backend)
-    draft = [out.next_token_logits.argmax(dim=-1)]
-    fed_back = out.hidden_states
+    T = states.num_tokens
+    draft = [extend.draft]
+    fed_back = extend.hidden
     if fed_back is None or fed_back.shape[0] != T:
         raise RuntimeError(f"draft EXTEND returned hidden states {None if fed_back is None else list(fed_back.shape)}, "
                            f"expected one row per token ({T})")
-
-    # Row t's prefix: its request's slots up to and including t.
-    starts = torch.cumsum(states.seq_lens, 0) - states.seq_lens
-    local = torch.cat([torch.arange(n) for n in lens])
-    table = torch.zeros(T + 1, max(lens) + steps, dtype=torch.int64)
-    slots_cpu = slots.cpu()
-    row = 0
-    for start, n in zip(starts.tolist(), lens):
-        for t in range(n):
-            table[row + 1, : t + 1] = slots_cpu[start: start + t + 1]
-            row += 1
+    lens = states.seq_lens
+    local = torch.arange(T) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    table = prefix_table(extend.slots, lens, int(lens.max()) + steps)
     hot = model.get_hot_token_id()
     for j in range(1, steps):
         prev = draft[-1]
         ids = hot.to(prev.device)[prev.clamp(max=hot.numel() - 1)] if hot is not None else prev
-        new = kv.take(T)
+        new = extend.kv.take(T)
         table[torch.arange(1, T + 1), local + j] = new.cpu()
         kv_lens = local + j + 1
-        batch, backend = batches.decode_batch(kv, table, kv_lens, ids, (local + j), fed_back, new)
+        batch, backend = batches.decode_batch(extend.kv, table, kv_lens, ids, (local + j), fed_back, new)
         out = batches.forward(model, batch, backend)
         draft.append(out.next_token_logits.argmax(dim=-1))
         fed_back = out.hidden_states
