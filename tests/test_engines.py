@@ -73,3 +73,23 @@ def test_sglang_ledger_sees_every_tensor(tiny_inputs):
     assert ledger.names(TensorFate.DROPPED) == [] and ledger.names(ParamFate.INIT) == []
     assert ledger.names(ParamFate.SHARED) == ["model.embed_tokens.weight"]
     assert ledger.tensors["d2t"][0] is TensorFate.IGNORED and ledger.tensors["d2t"][1] == ["hot_token_id"]
+
+
+def test_the_cuda_attention_kernels_agree_with_the_cpu_ones(tiny_inputs, monkeypatch):
+    """--device cuda runs flex attention in both engines (speculators' simple_flex_attention
+    over a batch padded to whole blocks, SGLang's TorchFlexAttnBackend); no GPU here, so the
+    same kernels run on CPU and must give the CPU path's probes and chains."""
+    from difftest.engines import speculators_engine
+    from difftest.engines.sglang_engine import batches
+
+    default = run(tiny_inputs, dtype=torch.float32, chain_steps=3)
+    monkeypatch.setitem(speculators_engine.ATTN_IMPL, "cpu", speculators_engine.ATTN_IMPL["cuda"])
+    monkeypatch.setitem(batches.ATTENTION_BACKENDS, "cpu", batches.ATTENTION_BACKENDS["cuda"])
+    flex = run(tiny_inputs, dtype=torch.float32, chain_steps=3)
+    assert flex.reference.details["attn_implementation"] == "simple_flex_attention"
+    assert flex.candidate.details["attention_backend"] == "torch_flex"
+    assert flex.comparison.parity, [(r.probe, r.metrics) for r in flex.comparison.results if not r.ok]
+    for mine, theirs in ((flex.reference, default.reference), (flex.candidate, default.candidate)):
+        for name, value in theirs.probes.items():
+            assert torch.allclose(mine.probes[name].float(), value.float(), rtol=1e-5, atol=1e-5), (mine.engine, name)
+        assert torch.equal(mine.chain.draft_tokens, theirs.chain.draft_tokens), mine.engine

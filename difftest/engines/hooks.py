@@ -12,16 +12,18 @@ import torch
 
 
 class ProbeRecorder:
-    def __init__(self, drop_batch_dim: bool = False):
+    def __init__(self, drop_batch_dim: bool = False, rows: int | None = None):
         self.values: dict[str, torch.Tensor] = {}
         self._handles = []
         self._drop_batch_dim = drop_batch_dim
+        self._rows = rows  # keep only the first rows (an engine's padding is not a probe)
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.values:
             return
-        t = tensor.detach().float().cpu().clone()
-        self.values[name] = t[0] if self._drop_batch_dim else t
+        t = tensor.detach()
+        t = t[0] if self._drop_batch_dim else t
+        self.values[name] = (t if self._rows is None else t[: self._rows]).float().cpu().clone()
 
     def output(self, module: torch.nn.Module, name: str, pick: Callable = lambda o: o) -> None:
         self._handles.append(module.register_forward_hook(lambda _m, _a, out: self.put(name, pick(out))))

@@ -27,6 +27,10 @@ from difftest.target import TargetWeights
 # flex attention has no CPU backward and its block masks need a GPU compile; sdpa is
 # bit-identical in fp32 on the one-step forward (see the shared notes).
 ATTN_IMPL = {"cpu": "sdpa", "cuda": "simple_flex_attention"}
+# Flex attention's block masks cover whole 128-token blocks, and speculators extends them
+# block-wise for each TTT step; its collator pads every batch to max_len for this. The
+# packed states are padded the same way (document id -1, which its mask excludes).
+FLEX_BLOCK = 128
 
 
 class SpeculatorsAdapter:
@@ -165,21 +169,25 @@ class SpeculatorsAdapter:
         return ledger
 
     @staticmethod
-    def _inputs(states: CapturedStates, options: RunOptions) -> dict:
+    def _inputs(states: CapturedStates, options: RunOptions, attn_impl: str) -> dict:
         device, dtype = options.device, options.dtype
         lens = [int(n) for n in states.seq_lens.tolist()]
-        doc_ids = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lens)])
+        pad = (-states.num_tokens) % FLEX_BLOCK if attn_impl == "simple_flex_attention" else 0
+        doc_ids = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lens)] + [torch.full((pad,), -1)])
         # Per-request positions from 0, as SGLang serves them; speculators' own default
         # (1 + arange over the packed batch) differs only by a RoPE shift inside a document.
-        positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lens])
-        return {"hidden_states": states.aux_hidden_states.to(device=device, dtype=dtype)[None],
-                "input_ids": states.input_ids.to(device)[None], "document_ids": doc_ids.to(device)[None],
+        positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lens] + [torch.zeros(pad, dtype=torch.long)])
+        hidden = torch.nn.functional.pad(states.aux_hidden_states, (0, 0, 0, pad))
+        ids = torch.nn.functional.pad(states.input_ids, (0, pad))
+        return {"hidden_states": hidden.to(device=device, dtype=dtype)[None],
+                "input_ids": ids.to(device)[None], "document_ids": doc_ids.to(device)[None],
                 "position_ids": positions.to(device)[None]}
 
     @torch.no_grad()
     def _forward(self, model, states: CapturedStates, options: RunOptions, ttt_steps: int):
         """Probes of the first TTT step (hooks keep a module's first call) and every step's draft."""
-        p = ProbeRecorder(drop_batch_dim=True)
+        T = states.num_tokens
+        p = ProbeRecorder(drop_batch_dim=True, rows=T)  # padding rows (flex) are not probes
         layer0 = model.layers[0]
         p.output(model.embed_tokens, "embed")
         p.input(model.fc, "fc.input")
@@ -194,7 +202,8 @@ class SpeculatorsAdapter:
         p.output(model.norm, "final_norm")
         p.output(model.lm_head, "logits")
         try:
-            draft_tokens = model(**self._inputs(states, options), ttt_steps=ttt_steps)
+            inputs = self._inputs(states, options, model.config.transformer_layer_config._attn_implementation)
+            draft_tokens = [d[:, :T] for d in model(**inputs, ttt_steps=ttt_steps)]
         finally:
             p.remove()
         values = p.values

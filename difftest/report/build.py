@@ -188,7 +188,10 @@ def render_markdown(report: dict) -> str:
                   f"- symbols bound at import: {', '.join(sk['symbols_bound']) or 'none'}",
                   f"- calls: {sk['total_calls']} (expected 0; any call raises)", ""]
     env = report["environment"]
-    lines += ["## Environment", "", f"- device {env['device']}, dtype {env['dtype']}, python {env['python']}"]
+    ref_details = report["engines"]["reference"]["details"]
+    lines += ["## Environment", "", f"- device {env['device']}, dtype {env['dtype']}, python {env['python']}",
+              f"- attention: speculators `{ref_details.get('attn_implementation', '?')}`, "
+              f"SGLang `{cand.get('attention_backend', '?')}`"]
     lines += [f"- {k} {v}" for k, v in env["packages"].items()]
     ref_t, cand_t = report["engines"]["reference"]["timings_s"], report["engines"]["candidate"]["timings_s"]
     lines += ["", "## Timings (s)", "", "| engine | import | load | forward |", "|---|---|---|---|",

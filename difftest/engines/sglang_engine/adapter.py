@@ -246,6 +246,7 @@ class SGLangAdapter:
             chain = self._chain(model, states, extend, chain_steps, options)
             chain.timings_s["chain"] = timings["forward"] + time.perf_counter() - t0
 
+        details["attention_backend"] = extend.kv.attention
         details["sgl_kernel_standin"] = standin.as_dict()
         details["module_graph"] = [f"{n}:{type(m).__name__}" for n, m in model.named_modules()]
         return EngineRun(engine=self.name, probes=probes, missing=missing, timings_s=timings, details=details,

@@ -3,9 +3,12 @@ target's states, and the chain's decode steps.
 
 Memory is SGLang's own: a ReqToTokenPool maps each request's positions to slots of one
 MHATokenToKVPool, and the attention backend reads keys through it, so a decode request
-that lists a prefix's slots attends to exactly the KV the EXTEND wrote. On CPU the backend
-is TorchNativeAttnBackend; on CUDA too (it is exact and needs no kernels), which keeps
-the comparison about the model code rather than about attention kernels.
+that lists a prefix's slots attends to exactly the KV the EXTEND wrote.
+
+The attention backend is the one device-specific choice, and it is made here: on CPU,
+TorchNativeAttnBackend (SDPA per request); on CUDA, TorchFlexAttnBackend (flex attention,
+compiled to Triton kernels), the CUDA backend whose constructor needs only the pools,
+not a whole ModelRunner. Both read the same pools, so the choice changes kernels only.
 """
 
 from __future__ import annotations
@@ -16,13 +19,29 @@ from types import SimpleNamespace
 import torch
 
 
+ATTENTION_BACKENDS = {"cpu": "torch_native", "cuda": "torch_flex"}
+
+
+def attention_backend_class(name: str):
+    if name == "torch_native":
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+        return TorchNativeAttnBackend
+    if name == "torch_flex":
+        from sglang.srt.layers.attention.torch_flex_backend import TorchFlexAttnBackend
+
+        return TorchFlexAttnBackend
+    raise ValueError(f"unknown SGLang attention backend {name!r}; known: torch_native, torch_flex")
+
+
 class KVSpace:
     """One KV pool for a run, handing out slots in order; slot 0 is SGLang's padding slot."""
 
-    def __init__(self, cfg, num_slots: int, device: str, dtype: torch.dtype):
+    def __init__(self, cfg, num_slots: int, device: str, dtype: torch.dtype, attention: str | None = None):
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
         self.device = device
+        self.attention = attention or ATTENTION_BACKENDS.get(torch.device(device).type, "torch_native")
         self.pool = MHATokenToKVPool(
             size=num_slots + 1, page_size=1, dtype=dtype, head_num=cfg.num_key_value_heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
@@ -37,14 +56,13 @@ class KVSpace:
 
     def backend(self, req_to_token: torch.Tensor):
         """An attention backend whose requests are the rows of req_to_token (row 0 unused)."""
-        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         rows, width = req_to_token.shape
         req_pool = ReqToTokenPool(size=rows - 1, max_context_len=width, device=self.device, enable_memory_saver=False)
-        req_pool.req_to_token[:, :width] = req_to_token.to(req_pool.req_to_token.dtype)
-        return TorchNativeAttnBackend(SimpleNamespace(device=self.device, req_to_token_pool=req_pool,
-                                                      token_to_kv_pool=self.pool))
+        req_pool.req_to_token[:, :width] = req_to_token.to(device=self.device, dtype=req_pool.req_to_token.dtype)
+        backend = attention_backend_class(self.attention)
+        return backend(SimpleNamespace(device=self.device, req_to_token_pool=req_pool, token_to_kv_pool=self.pool))
 
 
 @dataclass
@@ -97,7 +115,7 @@ def extend_batch(kv: KVSpace, input_ids: torch.Tensor, lens: list[int], hidden: 
         spec_info=EagleDraftExtendInput(hidden_states=hidden) if hidden is not None else None,
         return_logprob=False,
     )
-    backend.init_forward_metadata(batch)
+    backend.init_forward_metadata(_as_seen_by(backend, batch))
     return batch, backend, slots
 
 
@@ -129,6 +147,19 @@ def decode_batch(kv: KVSpace, table: torch.Tensor, kv_lens: torch.Tensor, input_
     )
     backend.init_forward_metadata(batch)
     return batch, backend
+
+
+def _as_seen_by(backend, batch):
+    """TorchFlexAttnBackend builds its masks only for modes whose is_extend() is true, and
+    that leaves out DRAFT_EXTEND_V2 (forward still takes the extend path, and finds no
+    mask). Its metadata for an EXTEND over the same requests is what that path needs."""
+    import dataclasses
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    if type(backend).__name__ == "TorchFlexAttnBackend" and batch.forward_mode == ForwardMode.DRAFT_EXTEND_V2:
+        return dataclasses.replace(batch, forward_mode=ForwardMode.EXTEND)
+    return batch
 
 
 def forward(model, batch, backend):

@@ -1,0 +1,107 @@
+"""The baseline the harness is measured against: each engine's own import, load and one
+forward over the captured states, with nothing of difftest's around them (no probes, no
+ledgers, no audit). Run as its own process so that its wall time, like the harness's,
+includes starting Python and importing torch.
+
+speculators: Eagle3DraftModel.from_pretrained on the speculators-format draft, then
+load_verifier_weights, one TTT step. SGLang: LlamaForCausalLMEagle3 from the legacy-format
+draft's config, its load_weights, set_embed with the target's embedding, one draft EXTEND.
+Outside a server SGLang needs a process group, the CPU switch and a ForwardBatch over its
+own KV pools; difftest's runtime and batch helpers are those minimum pieces, reused here so
+both sides pay the same for them.
+
+    python benchmarks/bare_engines.py SPECULATORS_DIR LEGACY_DIR TARGET_DIR STATES [--dtype bf16] [--device cpu]
+Prints one JSON line: seconds per engine and phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def speculators_bare(ckpt: str, target: str, states, dtype, device: str) -> dict:
+    t0 = time.perf_counter()
+    import torch
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    t1 = time.perf_counter()
+    config = Eagle3SpeculatorConfig.from_pretrained(ckpt)
+    config.transformer_layer_config._attn_implementation = "sdpa" if device == "cpu" else "simple_flex_attention"
+    config.speculators_config.verifier.name_or_path = target
+    model = Eagle3DraftModel.from_pretrained(ckpt, config=config)
+    model.load_verifier_weights()
+    model = model.to(device=device, dtype=dtype).eval()
+    t2 = time.perf_counter()
+    lens = states.seq_lens.tolist()
+    with torch.no_grad():
+        model(hidden_states=states.aux_hidden_states.to(device=device, dtype=dtype)[None],
+              input_ids=states.input_ids.to(device)[None],
+              document_ids=torch.cat([torch.full((n,), i) for i, n in enumerate(lens)]).to(device)[None],
+              position_ids=torch.cat([torch.arange(n) for n in lens]).to(device)[None], ttt_steps=1)
+    t3 = time.perf_counter()
+    return {"import": t1 - t0, "load": t2 - t1, "forward": t3 - t2}
+
+
+def sglang_bare(ckpt: str, target: str, states, dtype, device: str) -> dict:
+    import torch
+
+    from difftest.engines.sglang_engine import batches
+    from difftest.engines.sglang_engine.runtime import ensure_runtime
+    from difftest.checkpoint import load_checkpoint
+    from difftest.target import load_target
+
+    t0 = time.perf_counter()
+    ensure_runtime(device)
+    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from transformers import LlamaConfig
+
+    t1 = time.perf_counter()
+    draft = load_checkpoint(ckpt)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLMEagle3(LlamaConfig(**draft.config)).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    model.load_weights(draft.tensors())
+    embed = load_target(target).embed.to(device=device, dtype=dtype)
+    model.set_embed(torch.nn.Parameter(embed, requires_grad=False))
+    t2 = time.perf_counter()
+    with torch.no_grad():
+        kv = batches.KVSpace(model.config, states.num_tokens, device, dtype)
+        batch, backend, _ = batches.extend_batch(kv, states.input_ids, states.seq_lens.tolist(),
+                                                 states.aux_hidden_states.to(device=device, dtype=dtype))
+        batches.forward(model, batch, backend).next_token_logits.argmax(-1).cpu()
+    t3 = time.perf_counter()
+    return {"import": t1 - t0, "load": t2 - t1, "forward": t3 - t2}
+
+
+def main() -> None:
+    t_start = time.perf_counter()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("speculators")
+    ap.add_argument("legacy")
+    ap.add_argument("target")
+    ap.add_argument("states")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    from difftest.cli import quiet_engines
+
+    quiet_engines(False)
+    from difftest.states import load_states
+    from difftest.tolerances import DTYPES
+
+    states = load_states(args.states)
+    dtype = DTYPES[args.dtype]
+    out = {"speculators": speculators_bare(args.speculators, args.target, states, dtype, args.device),
+           "sglang": sglang_bare(args.legacy, args.target, states, dtype, args.device)}
+    out["process_s"] = time.perf_counter() - t_start
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
