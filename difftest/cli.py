@@ -89,6 +89,12 @@ def report(
     torch_dtype = parse_dtype(dtype)
     if device.split(":")[0] not in ("cpu", "cuda"):
         fail(f"--device must be cpu or cuda, got {device!r}")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            fail(f"--device {device}: no CUDA device is visible to torch {torch.__version__} "
+                 f"(torch.cuda.is_available() is false); run on cpu or on a machine with an NVIDIA GPU")
     if not 0 <= chain_steps <= 16:
         fail(f"--chain-steps must be between 0 and 16, got {chain_steps}")
     try:

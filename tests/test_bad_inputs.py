@@ -92,6 +92,8 @@ CORPUS = {
     "pickle_with_code": (lambda d, t: (torch.save({"x": torch.zeros(1), "f": shutil.rmtree}, d / "pytorch_model.bin"),
                                        (d / "model.safetensors").unlink(), ["--allow-pickle"])[-1], "weights_only=True"),
     "checkpoint_missing": (lambda d, t: shutil.rmtree(d), "checkpoint directory not found"),
+    # These machines have no GPU: asking for one is the user's mistake, not an internal error.
+    "cuda_without_a_gpu": (lambda d, t: ["--device", "cuda"], "no CUDA device"),
 }
 
 
