@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("legacy")
     ap.add_argument("target")
     ap.add_argument("states")
-    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     from difftest.cli import quiet_engines
@@ -96,7 +96,12 @@ def main() -> None:
     from difftest.tolerances import DTYPES
 
     states = load_states(args.states)
-    dtype = DTYPES[args.dtype]
+    if args.dtype == "auto":  # as `difftest report` does: the dtype the draft is stored in
+        from difftest.checkpoint import load_checkpoint
+
+        dtype = load_checkpoint(args.speculators).stored_dtype()
+    else:
+        dtype = DTYPES[args.dtype]
     out = {"speculators": speculators_bare(args.speculators, args.target, states, dtype, args.device),
            "sglang": sglang_bare(args.legacy, args.target, states, dtype, args.device)}
     out["process_s"] = time.perf_counter() - t_start

@@ -23,7 +23,9 @@ class ProbeRecorder:
             return
         t = tensor.detach()
         t = t[0] if self._drop_batch_dim else t
-        self.values[name] = (t if self._rows is None else t[: self._rows]).float().cpu().clone()
+        t = t if self._rows is None else t[: self._rows]
+        # One copy, whatever the source: .float().cpu().clone() copies twice from low precision.
+        self.values[name] = t.to(device="cpu", dtype=torch.float32, copy=True)
 
     def output(self, module: torch.nn.Module, name: str, pick: Callable = lambda o: o) -> None:
         self._handles.append(module.register_forward_hook(lambda _m, _a, out: self.put(name, pick(out))))

@@ -387,4 +387,4 @@ class SGLangAdapter:
                                        f"({hot.numel()} entries): the head is not draft-vocab")
         else:
             values["target_token"] = hot.cpu()[draft] if hot is not None else draft.clone()
-        return values, missing, batches.Extended(kv, slots, out.next_token_logits.argmax(dim=-1), out.hidden_states)
+        return values, missing, batches.Extended(kv, slots, draft.to(out.next_token_logits.device), out.hidden_states)
