@@ -168,6 +168,16 @@ class Checkpoint:
                 counts[dt] = counts.get(dt, 0) + 1
         return max(counts, key=counts.get) if counts else torch.float32
 
+    def nbytes(self) -> int:
+        """Bytes of all tensors as stored, from the file headers (nothing is read)."""
+        sizes = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}
+        total = 0
+        for name, file in self._files.items():
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                s = f.get_slice(name)
+                total += sizes.get(s.get_dtype(), 8) * int(torch.Size(s.get_shape()).numel())
+        return total
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.tensors())
 

@@ -64,13 +64,19 @@ class RunResult:
     acceptance: object = None  # acceptance.AcceptanceComparison, when simulated
 
 
-def release_memory() -> None:
+# Below this many checkpoint bytes a full collection (about 0.5 s with both engines
+# imported) costs more than the memory it could return.
+COLLECT_ABOVE_BYTES = 256 << 20
+
+
+def release_memory(checkpoint: Checkpoint | None = None) -> None:
     """Hand freed engine memory back to the OS between phases. Without it glibc keeps the
     freed arenas of one engine's load, and the next engine's peak lands on top of them."""
     import ctypes
     import gc
 
-    gc.collect()
+    if checkpoint is None or checkpoint.nbytes() > COLLECT_ABOVE_BYTES:
+        gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim
@@ -160,17 +166,17 @@ def run(
     on_step(f"{reference.name}: load, forward{chained}")
     ref_run = reference.run(inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=dtype, device=device),
                             chain_steps=chain_steps)
-    release_memory()
+    release_memory(inputs.checkpoint)
     on_step(f"{candidate.name}: load, forward{chained}")
     cand_run = candidate.run(inputs.checkpoint, inputs.target, inputs.states, options, chain_steps=chain_steps)
-    release_memory()
+    release_memory(inputs.checkpoint)
     floor = None
     if measure_noise if measure_noise is not None else dtype != torch.float32:
         on_step(f"{reference.name}: fp32 run for the noise floor")
         full = reference.run(inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=torch.float32, device=device))
         floor = noise_floor(ref_run, full)
         del full
-        release_memory()
+        release_memory(inputs.checkpoint)
     tol = tolerance_for(dtype)
     comparison = compare_runs(ref_run.probes, cand_run.probes, tol, {**ref_run.missing, **cand_run.missing})
     on_step("audit: ledgers, vocab, config translation, target capture")

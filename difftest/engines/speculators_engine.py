@@ -76,7 +76,8 @@ class SpeculatorsAdapter:
         model.load_verifier_weights()
         self._share_target_embed(model, target, options, nan_before_verifier)
         model = model.to(device=options.device, dtype=options.dtype).eval()
-        if any(p.dtype != checkpoint.stored_dtype() for p in model.parameters()):
+        stored = checkpoint.stored_dtype()
+        if any(p.dtype != stored for p in model.parameters()):
             self._release_checkpoint_file(model)
         return model, config, nan_before_verifier
 
