@@ -24,8 +24,9 @@ from difftest.engines.hooks import ProbeRecorder
 from difftest.states import CapturedStates
 from difftest.target import TargetWeights
 
-# flex attention has no CPU backward and its block masks need a GPU compile; sdpa is
-# bit-identical in fp32 on the one-step forward (see the shared notes).
+# Training runs flex attention on GPUs. On CPU, sdpa: flex compiles its kernels on first
+# use (tens of seconds there) and has no CPU backward, and sdpa's probes and chains are
+# the flex kernels' own in fp32 (tests/test_engines.py runs both on CPU to hold it so).
 ATTN_IMPL = {"cpu": "sdpa", "cuda": "simple_flex_attention"}
 # Flex attention's block masks cover whole 128-token blocks, and speculators extends them
 # block-wise for each TTT step; its collator pads every batch to max_len for this. The

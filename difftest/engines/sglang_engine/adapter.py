@@ -243,7 +243,7 @@ class SGLangAdapter:
         chain = None
         if chain_steps > 0:
             t0 = time.perf_counter()
-            chain = self._chain(model, states, extend, chain_steps, options)
+            chain = self._chain(model, states, extend, chain_steps)
             chain.timings_s["chain"] = timings["forward"] + time.perf_counter() - t0
 
         details["attention_backend"] = extend.kv.attention
@@ -252,7 +252,7 @@ class SGLangAdapter:
         return EngineRun(engine=self.name, probes=probes, missing=missing, timings_s=timings, details=details,
                          ledger=ledger, chain=chain)
 
-    def _chain(self, model, states: CapturedStates, extend, steps: int, options: RunOptions) -> ChainRun:
+    def _chain(self, model, states: CapturedStates, extend, steps: int) -> ChainRun:
         """The EAGLE worker's topk=1 chain: the probes' draft EXTEND over the prompt rows is its
         step 0, then decode steps that each feed back the draft's own token (as a target id,
         through hot_token_id) and its own hidden state, every row a request sharing the prefix KV."""
