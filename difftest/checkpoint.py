@@ -34,7 +34,10 @@ LEGACY_ARCHITECTURE = "LlamaForCausalLMEagle3"
 def detect_format(config: dict[str, Any]) -> CheckpointFormat:
     if config.get("speculators_model_type") == "eagle3" and "transformer_layer_config" in config:
         return CheckpointFormat.SPECULATORS
-    if LEGACY_ARCHITECTURE in (config.get("architectures") or []) and "draft_vocab_size" in config:
+    architectures = config.get("architectures")
+    if not isinstance(architectures, list):  # a malformed config's field, not a reason to crash
+        architectures = []
+    if LEGACY_ARCHITECTURE in architectures and "draft_vocab_size" in config:
         return CheckpointFormat.LEGACY
     raise InputError(
         "unknown checkpoint format: expected config.json with speculators_model_type=eagle3 "
@@ -117,7 +120,8 @@ def spec_from_config(config: dict[str, Any], fmt: CheckpointFormat) -> DraftSpec
             hidden_act=str(layer.get("hidden_act", "silu")),
             max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
         )
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # AttributeError: a list where an object belongs
+    # AttributeError: a list where an object belongs; OverflowError: Infinity where an integer belongs
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise InputError(f"config.json is missing or has a malformed field: {exc!r}") from None
 
 

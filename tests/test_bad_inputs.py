@@ -61,6 +61,8 @@ CORPUS = {
     "config_unparsable": (lambda d, t: (d / "config.json").write_text("{\"a\": "), "not valid JSON"),
     "config_not_object": (lambda d, t: (d / "config.json").write_text("[1, 2]"), "expected a JSON object"),
     "config_field_missing": (lambda d, t: _config(d, lambda c: _layer(c).pop("hidden_size")), "malformed field"),
+    # JSON's Infinity parses to a float that int() cannot take (found by the config fuzz below).
+    "config_field_infinite": (lambda d, t: _config(d, lambda c: _layer(c).__setitem__("head_dim", float("inf"))), "malformed field"),
     "heads_vs_kv_heads": (lambda d, t: _config(d, lambda c: _layer(c).update(num_key_value_heads=3)), "not a multiple of"),
     "heads_vs_weights": (lambda d, t: _config(d, lambda c: _layer(c).update(num_attention_heads=8, num_key_value_heads=8)),
                          "q_proj.weight has shape"),
