@@ -69,13 +69,13 @@ class RunResult:
 COLLECT_ABOVE_BYTES = 256 << 20
 
 
-def release_memory(checkpoint: Checkpoint | None = None) -> None:
+def release_memory(collect: bool = True) -> None:
     """Hand freed engine memory back to the OS between phases. Without it glibc keeps the
     freed arenas of one engine's load, and the next engine's peak lands on top of them."""
     import ctypes
     import gc
 
-    if checkpoint is None or checkpoint.nbytes() > COLLECT_ABOVE_BYTES:
+    if collect:
         gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -162,21 +162,22 @@ def run(
     candidate = candidate or candidate_adapter()
     options = RunOptions(dtype=dtype, device=device, serving=serving)
     t0 = time.perf_counter()
+    collect = inputs.checkpoint.nbytes() > COLLECT_ABOVE_BYTES
     chained = f" and {chain_steps}-step chain draft" if chain_steps > 0 else ""
     on_step(f"{reference.name}: load, forward{chained}")
     ref_run = reference.run(inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=dtype, device=device),
                             chain_steps=chain_steps)
-    release_memory(inputs.checkpoint)
+    release_memory(collect)
     on_step(f"{candidate.name}: load, forward{chained}")
     cand_run = candidate.run(inputs.checkpoint, inputs.target, inputs.states, options, chain_steps=chain_steps)
-    release_memory(inputs.checkpoint)
+    release_memory(collect)
     floor = None
     if measure_noise if measure_noise is not None else dtype != torch.float32:
         on_step(f"{reference.name}: fp32 run for the noise floor")
         full = reference.run(inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=torch.float32, device=device))
         floor = noise_floor(ref_run, full)
         del full
-        release_memory(inputs.checkpoint)
+        release_memory(collect)
     tol = tolerance_for(dtype)
     comparison = compare_runs(ref_run.probes, cand_run.probes, tol, {**ref_run.missing, **cand_run.missing})
     on_step("audit: ledgers, vocab, config translation, target capture")

@@ -15,11 +15,16 @@ from difftest.engines.sglang_engine import batches
 from difftest.states import CapturedStates
 
 
+def request_starts(seq_lens: torch.Tensor) -> torch.Tensor:
+    """[T]: for each packed row, the row its request starts at."""
+    return torch.repeat_interleave(torch.cumsum(seq_lens, 0) - seq_lens, seq_lens)
+
+
 def prefix_table(slots: torch.Tensor, seq_lens: torch.Tensor, width: int) -> torch.Tensor:
     """[T + 1, width] req_to_token rows (row 0 is SGLang's unused one): row t + 1 lists the
     slots of row t's request up to and including t, then zeros."""
     T = int(slots.shape[0])
-    starts = torch.repeat_interleave(torch.cumsum(seq_lens, 0) - seq_lens, seq_lens)  # [T] each row's request start
+    starts = request_starts(seq_lens)
     local = torch.arange(T) - starts  # [T] each row's position in its request
     cols = torch.arange(width)
     keep = cols[None, :] <= local[:, None]
@@ -39,7 +44,7 @@ def continue_chain(model, states: CapturedStates, extend: "batches.Extended", st
         raise RuntimeError(f"draft EXTEND returned hidden states {None if fed_back is None else list(fed_back.shape)}, "
                            f"expected one row per token ({T})")
     lens = states.seq_lens
-    local = torch.arange(T) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    local = torch.arange(T) - request_starts(lens)
     table = prefix_table(extend.slots, lens, int(lens.max()) + steps)
     hot = model.get_hot_token_id()
     for j in range(1, steps):
