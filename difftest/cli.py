@@ -15,6 +15,8 @@ from difftest.errors import InputError
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
 EXIT_PARITY, EXIT_DIVERGED, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+# One default-fixture report on a 2-core host, for the progress estimate (benchmarks/first_run.py).
+REPORT_ESTIMATE_S = 45.0
 
 
 def quiet_engines(verbose: bool) -> None:
@@ -23,6 +25,10 @@ def quiet_engines(verbose: bool) -> None:
         return
     import logging
     import warnings
+
+    from difftest.progress import silence_third_party_bars
+
+    silence_third_party_bars()
 
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -97,53 +103,60 @@ def report(
                  f"(torch.cuda.is_available() is false); run on cpu or on a machine with an NVIDIA GPU")
     if not 0 <= chain_steps <= 16:
         fail(f"--chain-steps must be between 0 and 16, got {chain_steps}")
+    from difftest.progress import PlannedStep, Tracker
+
+    # One display for the whole run: the fixture build (when it is the default one) and each report.
+    tracker = Tracker(not quiet)
     try:
-        jobs: list[tuple[Path, Path]] = []
-        extra: dict = {}
-        if checkpoint is None:
-            import json
-
-            from difftest.fixturegen.default import default_fixture
-
-            fx = default_fixture(progress=not quiet)
-            target, states = target or fx.target, states or fx.states
-            jobs = [(fx.checkpoint, out), (fx.legacy, out / "legacy")]
-            if fx.training and fx.training.is_file():
-                extra["training"] = json.loads(fx.training.read_text())
-        else:
-            jobs = [(checkpoint, out)]
-        if training_metrics is not None:
-            extra["training"] = _read_training_metrics(training_metrics)
-        analysis = {"chain_steps": chain_steps, "measure_target_capture": target_capture,
-                    "training_metrics": extra.get("training")}
-        old_report = None
-        if baseline is not None:
-            from difftest.report.baseline import load_baseline
-
+        with tracker.live():
+            jobs: list[tuple[Path, Path]] = []
+            extra: dict = {}
             if checkpoint is None:
-                fail("--baseline needs an explicit CKPT (a baseline describes one checkpoint)")
-            if not baseline_factor >= 1.0:
-                fail(f"--baseline-factor must be at least 1, got {baseline_factor}")
-            old_report = load_baseline(baseline)
-        serving = ServingSetup(aux_capture=not serve_without_aux_capture, lm_head_from_target=serve_lm_head_from_target)
-        codes = []
-        for ckpt, out_dir in jobs:
-            base = {"report": old_report, "path": str(baseline), "factor": baseline_factor} if old_report else None
-            rep, paths = _report_one(ckpt, target, states, torch_dtype, device, out_dir, max_tokens, serving, extra,
-                                     audit_config, allow_pickle, base, not quiet, analysis)
-            first = rep["first_divergence"]
-            diag = rep["diagnosis"]
-            line = rep["verdict"] + (f": first divergence at {first['probe']} ({diag['cause']})" if first else
-                                     f": audit found {diag['cause']} (probes agree)" if diag else "")
-            typer.echo(f"{line}  [{rep['checkpoint']['format']}: {ckpt}]" if len(jobs) > 1 else line)
-            if not quiet:
-                typer.echo(f"wrote {paths['json']}, {paths['md']} and {paths['html']}")
-            if base:
-                found = rep["baseline"]["regressions"]
-                typer.echo(f"baseline: {len(found)} regression(s) against {baseline}" + "".join(f"\n  {r}" for r in found))
-                codes.append(EXIT_DIVERGED if found else EXIT_PARITY)
+                import json
+
+                from difftest.fixturegen.default import default_fixture
+
+                tracker.extend([PlannedStep("report:speculators", "report (speculators format)", REPORT_ESTIMATE_S),
+                                PlannedStep("report:legacy", "report (legacy format)", REPORT_ESTIMATE_S)])
+                fx = default_fixture(tracker=tracker)
+                target, states = target or fx.target, states or fx.states
+                jobs = [(fx.checkpoint, out), (fx.legacy, out / "legacy")]
+                if fx.training and fx.training.is_file():
+                    extra["training"] = json.loads(fx.training.read_text())
             else:
-                codes.append(EXIT_PARITY if rep["verdict"] == "PARITY" else EXIT_DIVERGED)
+                jobs = [(checkpoint, out)]
+            if training_metrics is not None:
+                extra["training"] = _read_training_metrics(training_metrics)
+            analysis = {"chain_steps": chain_steps, "measure_target_capture": target_capture,
+                        "training_metrics": extra.get("training")}
+            old_report = None
+            if baseline is not None:
+                from difftest.report.baseline import load_baseline
+
+                if checkpoint is None:
+                    fail("--baseline needs an explicit CKPT (a baseline describes one checkpoint)")
+                if not baseline_factor >= 1.0:
+                    fail(f"--baseline-factor must be at least 1, got {baseline_factor}")
+                old_report = load_baseline(baseline)
+            serving = ServingSetup(aux_capture=not serve_without_aux_capture, lm_head_from_target=serve_lm_head_from_target)
+            codes = []
+            for ckpt, out_dir in jobs:
+                base = {"report": old_report, "path": str(baseline), "factor": baseline_factor} if old_report else None
+                rep, paths = _report_one(ckpt, target, states, torch_dtype, device, out_dir, max_tokens, serving, extra,
+                                         audit_config, allow_pickle, base, tracker, analysis)
+                first = rep["first_divergence"]
+                diag = rep["diagnosis"]
+                line = rep["verdict"] + (f": first divergence at {first['probe']} ({diag['cause']})" if first else
+                                         f": audit found {diag['cause']} (probes agree)" if diag else "")
+                typer.echo(f"{line}  [{rep['checkpoint']['format']}: {ckpt}]" if len(jobs) > 1 else line)
+                if not quiet:
+                    typer.echo(f"wrote {paths['json']}, {paths['md']} and {paths['html']}")
+                if base:
+                    found = rep["baseline"]["regressions"]
+                    typer.echo(f"baseline: {len(found)} regression(s) against {baseline}" + "".join(f"\n  {r}" for r in found))
+                    codes.append(EXIT_DIVERGED if found else EXIT_PARITY)
+                else:
+                    codes.append(EXIT_PARITY if rep["verdict"] == "PARITY" else EXIT_DIVERGED)
     except InputError as exc:
         fail(str(exc))
     except typer.Exit:
@@ -168,25 +181,29 @@ def _read_training_metrics(path: Path) -> dict:
 
 
 def _report_one(ckpt, target, states, dtype, device, out_dir, max_tokens, serving, extra, audit_config=False,
-                allow_pickle=False, base=None, show_progress=False, analysis=None):
+                allow_pickle=False, base=None, tracker=None, analysis=None):
     from difftest import pipeline
+    from difftest.progress import PlannedStep, Tracker
     from difftest.report import build_report, write_reports
 
-    from difftest.progress import steps
-
+    tracker = tracker or Tracker(False)
     # Bad input fails inside prepare, before any progress line: its error stays the only line.
     inputs = pipeline.prepare(ckpt, target, states, max_tokens=max_tokens, allow_pickle=allow_pickle, device=device)
-    with steps(show_progress) as step:
-        result = pipeline.run(inputs, dtype=dtype or inputs.checkpoint.stored_dtype(), device=device, serving=serving,
-                              audit_config=audit_config, on_step=step, **(analysis or {}))
-        step("writing reports")
+    name = f"report:{inputs.checkpoint.format.value}"
+    tracker.extend([PlannedStep(name, f"report ({inputs.checkpoint.format.value} format)", REPORT_ESTIMATE_S)])
+    tracker.start(name)
+    result = pipeline.run(inputs, dtype=dtype or inputs.checkpoint.stored_dtype(), device=device, serving=serving,
+                          audit_config=audit_config, on_step=tracker.note, **(analysis or {}))
+    tracker.note("writing reports")
     rep = build_report(result, command=["difftest", *sys.argv[1:]], extra=extra)
     if base:
         from difftest.report.baseline import regressions
 
         rep["baseline"] = {"path": base["path"], "factor": base["factor"],
                            "regressions": regressions(rep, base["report"], base["factor"])}
-    return rep, write_reports(rep, out_dir)
+    paths = write_reports(rep, out_dir)
+    tracker.finish(name)
+    return rep, paths
 
 
 @app.command()
@@ -307,9 +324,15 @@ def fuzz(
 def build_fixtures(
     which: str = typer.Argument("tiny", help="tiny | default | llama3.1-8b | kimi-k2.5 (random weights at real shapes)"),
     out: Optional[Path] = typer.Option(None, help="output dir (tiny: default fixtures/tiny; real shapes: default .cache/difftest/<name>)"),
+    from_scratch: bool = typer.Option(False, help="default: generate and train for real instead of using the shipped, checksummed generations and draft"),
+    ship: bool = typer.Option(False, help="default, with --from-scratch: write the result to fixtures/smollm2 as the shipped artifact"),
 ) -> None:
     """Build the tiny committed fixture, the SmolLM2 default fixture, or a real-shape random draft."""
     quiet_engines(False)
+    if (from_scratch or ship) and which != "default":
+        fail("--from-scratch and --ship apply to the default fixture only")
+    if ship and not from_scratch:
+        fail("--ship writes a from-scratch build; add --from-scratch")
     if which == "tiny":
         from difftest.fixturegen import tiny
 
@@ -317,10 +340,17 @@ def build_fixtures(
         tiny.build(dest)
         typer.echo(f"built {dest}")
     elif which == "default":
+        from difftest.fixturegen import smollm2
         from difftest.fixturegen.default import default_fixture
 
-        fx = default_fixture(progress=True)
-        typer.echo(f"built {fx.checkpoint}")
+        if from_scratch:
+            os.environ[smollm2.FROM_SCRATCH_ENV] = "1"
+        try:
+            fx = default_fixture(progress=True)
+            shipped = smollm2.ship(smollm2.Paths(fx.target.parent)) if ship else None
+        except InputError as exc:
+            fail(str(exc))
+        typer.echo(f"built {fx.checkpoint}" + (f"; shipped as {shipped}" if shipped else ""))
     elif which in ("llama3.1-8b", "kimi-k2.5"):
         from difftest.fixturegen import realshape
         from difftest.fixturegen.cache import cache_root

@@ -55,7 +55,10 @@ def test_heldout_step0_accuracy_is_far_above_chance(fx):
 def test_built_steps_are_not_repeated(fx):
     p = smollm2.Paths(fx.target.parent)
     records = sorted(p.root.glob("*.done.json"))
-    assert {r.name.split(".")[0].split("-")[0] for r in records} >= {"target", "generate", "capture", "vocab", "train", "export"}
+    first_words = {r.name.split(".")[0].split("-")[0] for r in records}
+    shipped = {"target", "conversations", "capture", "vocab", "draft", "export"}
+    scratch = {"target", "generate", "capture", "vocab", "train", "export"}
+    assert first_words in (shipped, scratch), first_words
     mtimes = {r: r.stat().st_mtime for r in records}
     smollm2.build()
     assert {r: r.stat().st_mtime for r in records} == mtimes
@@ -63,6 +66,57 @@ def test_built_steps_are_not_repeated(fx):
         name = r.name[: -len(".done.json")]
         outputs = [p.root / k for k in json.loads(r.read_text())["sha256"]]
         assert Step(p.root, name, outputs).done()
+
+
+def test_shipped_draft_is_the_trained_one(fx):
+    """The shipped artifact restores to the trainer's own tensors, checksum by checksum, and
+    its vocab mapping is the one speculators derives from the shipped generations."""
+    from safetensors import safe_open
+
+    manifest = smollm2.shipped_manifest()
+    if manifest is None:
+        pytest.skip("built from scratch: nothing shipped to check")  # only under DIFFTEST_FIXTURE_FROM_SCRATCH
+    p = smollm2.Paths(fx.target.parent)
+    with safe_open(str(fx.checkpoint / "model.safetensors"), framework="pt") as f:
+        restored = {name: smollm2.tensor_sha256(f.get_tensor(name)) for name in f.keys()}
+    assert restored == {name: t["sha256"] for name, t in manifest["draft"]["tensors"].items()}
+    assert json.loads(p.conversations.read_text()) == json.loads((smollm2.SHIPPED_DIR / "conversations.json").read_text())
+
+
+def test_a_tampered_shipped_draft_is_refused(fx, tmp_path, monkeypatch):
+    import shutil
+
+    from difftest.errors import InputError
+
+    if smollm2.shipped_manifest() is None:
+        pytest.skip("built from scratch: nothing shipped to check")
+    shipped = tmp_path / "shipped"
+    shutil.copytree(smollm2.SHIPPED_DIR, shipped)
+    monkeypatch.setattr(smollm2, "SHIPPED_DIR", shipped)
+    data = bytearray((shipped / "draft" / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (shipped / "draft" / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(InputError, match="checksum"):
+        smollm2.restore_draft(smollm2.Paths(fx.target.parent), smollm2.shipped_manifest())
+
+
+def test_speculators_trainer_runs_here_with_its_defaults(fx, tmp_path):
+    """The from-scratch path stays alive in CI: speculators' own trainer, launched exactly as
+    the fixture build launches it, runs two steps on CPU on a few captured conversations and
+    saves a draft whose config carries the trainer defaults the shipped draft has."""
+    p = smollm2.Paths(tmp_path)
+    (tmp_path / "target").symlink_to(fx.target)
+    convs = json.loads((fx.target.parent / "conversations.json").read_text())[:10]
+    p.conversations.write_text(json.dumps(convs))
+    smollm2.capture(p, lambda *a: None)
+    smollm2.vocab(p)
+    smollm2.train(p, lambda *a: None, epochs=1, extra_argv=("--max-steps", "2"))
+    fresh = json.loads((smollm2._final_checkpoint(p.train_out) / "config.json").read_text())
+    shipped = json.loads((fx.checkpoint / "config.json").read_text())
+    for key in ("norm_before_residual", "norm_before_fc", "norm_output", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size"):
+        assert fresh.get(key) == shipped.get(key), key
+    assert fresh["transformer_layer_config"]["layer_types"] == shipped["transformer_layer_config"]["layer_types"]
+    assert fresh["transformer_layer_config"].get("sliding_window") == shipped["transformer_layer_config"].get("sliding_window")
 
 
 def test_heldout_states_pair_tokens_as_the_trainer_does(fx):

@@ -34,6 +34,11 @@ ATTN_IMPL = {"cpu": "sdpa", "cuda": "simple_flex_attention"}
 FLEX_BLOCK = 128
 
 
+def _all_nan(t: torch.Tensor) -> bool:
+    # The first element settles almost every tensor without a pass over all of it.
+    return t.is_floating_point() and t.numel() > 0 and bool(t.view(-1)[0].isnan()) and bool(t.isnan().all())
+
+
 class SpeculatorsAdapter:
     name = "speculators"
 
@@ -73,7 +78,7 @@ class SpeculatorsAdapter:
             model = Eagle3DraftModel.from_pretrained(str(src), config=config)
         # speculators initializes embed/lm_head to NaN; whatever is still NaN now is what
         # load_verifier_weights will fill from the target.
-        nan_before_verifier = {n for n, t in model.state_dict().items() if t.is_floating_point() and t.isnan().all()}
+        nan_before_verifier = {n for n, t in model.state_dict().items() if _all_nan(t)}
         model.load_verifier_weights()
         self._share_target_embed(model, target, options, nan_before_verifier)
         model = model.to(device=options.device, dtype=options.dtype).eval()

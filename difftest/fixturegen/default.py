@@ -3,7 +3,6 @@ the SmolLM2-135M target and the draft speculators trains on it, built on first u
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,41 +22,16 @@ def tiny_fixture() -> Fixture:
     return Fixture(TINY_DIR / "speculators", TINY_DIR / "target", TINY_DIR / "states.safetensors", TINY_DIR / "legacy")
 
 
-def _reporter(progress: bool):
-    """Progress bars on a terminal, plain lines elsewhere (CI logs), nothing when quiet."""
-    if not progress:
-        return None, None
-    if not sys.stderr.isatty():
-        seen: set[tuple[str, str]] = set()
-
-        def plain(step, done, total, note=""):
-            key = (step, note if total <= 1 else str(done * 4 // max(total, 1)))
-            if key not in seen:
-                seen.add(key)
-                print(f"difftest: fixture {step}: " + (note or f"{done}/{total}"), file=sys.stderr, flush=True)
-
-        return plain, None
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[note]}"),
-                   TimeElapsedColumn(), transient=False)
-    tasks: dict[str, int] = {}
-
-    def rich_progress(step, done, total, note=""):
-        if step not in tasks:
-            tasks[step] = bar.add_task(f"building {step}", total=max(total, 1), note="")
-        bar.update(tasks[step], completed=done, total=max(total, 1), note=note[-60:])
-
-    return rich_progress, bar
-
-
-def default_fixture(progress: bool = True) -> Fixture:
+def default_fixture(progress: bool = True, tracker=None) -> Fixture:
+    """Build (or find cached) the default fixture. Progress goes to `tracker` when the caller
+    runs one display for a longer job; otherwise to a display of its own, unless quiet."""
     from difftest.fixturegen import smollm2
+    from difftest.progress import Tracker
 
-    report, bar = _reporter(progress)
-    if bar is not None:
-        with bar:
-            p = smollm2.build(report)
+    if tracker is not None:
+        p = smollm2.build(tracker)
     else:
-        p = smollm2.build(report)
+        own = Tracker(progress, "difftest fixture")
+        with own.live():
+            p = smollm2.build(own)
     return Fixture(p.draft, p.target, p.states, p.legacy, p.training_json)

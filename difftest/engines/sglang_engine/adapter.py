@@ -38,6 +38,25 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(prev)
 
 
+@contextlib.contextmanager
+def _without_cache_flush(device: str):
+    """set_embed and set_embed_and_head end with the platform's empty_cache, which on CPU is a
+    full gc.collect (about 0.9 s with both engines imported): a server pays it once at start,
+    difftest once per model it builds, the config audit's variants included. It frees
+    memory and computes nothing, so on CPU it is skipped while the weights are shared."""
+    if not device.startswith("cpu"):
+        yield
+        return
+    from sglang.srt.platforms import current_platform
+
+    flush = current_platform.empty_cache
+    current_platform.empty_cache = lambda: None
+    try:
+        yield
+    finally:
+        current_platform.empty_cache = flush
+
+
 def serving_config(checkpoint: Checkpoint, options: RunOptions | None = None) -> tuple[dict, dict[str, str]]:
     """The legacy/SGLang config for this checkpoint, plus notes on fields that didn't carry."""
     if checkpoint.format is CheckpointFormat.LEGACY:
@@ -308,6 +327,11 @@ class SGLangAdapter:
     @staticmethod
     def _share_target(model, target: TargetWeights, options: RunOptions) -> dict:
         """Follow the EAGLE worker's init_lm_head: set_embed_and_head or set_embed."""
+        with _without_cache_flush(options.device):
+            return SGLangAdapter._share_target_weights(model, target, options)
+
+    @staticmethod
+    def _share_target_weights(model, target: TargetWeights, options: RunOptions) -> dict:
         dtype, device = options.dtype, options.device
         embed = target.shared("embed", device, dtype)
         shared: list[str] = []
