@@ -141,6 +141,9 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=None, help="with --from-scratch: training epochs")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args()
+    from difftest.cli import quiet_engines
+
+    quiet_engines(False)
 
     with tempfile.TemporaryDirectory(prefix="difftest-first-run-") as tmp:
         env = {**os.environ, "DIFFTEST_CACHE": tmp, "CI": "1"}

@@ -42,8 +42,9 @@ class Step:
             return False
 
     def finish(self, seconds: float, **info) -> None:
-        rec = {"step": self.name, "seconds": round(seconds, 2),
-               "sha256": {str(p.relative_to(self.root)): _digest(p) for p in self.outputs}, **info}
+        # The step's own info first: its keys can never shadow the record's checksums.
+        rec = {**info, "step": self.name, "seconds": round(seconds, 2),
+               "sha256": {str(p.relative_to(self.root)): _digest(p) for p in self.outputs}}
         tmp = self.record.with_suffix(".tmp")
         tmp.write_text(json.dumps(rec, indent=2) + "\n")
         tmp.replace(self.record)

@@ -408,7 +408,7 @@ def _verified(path: Path, sha: str) -> Path:
 def restore_conversations(p: Paths, manifest: dict) -> dict:
     src = _verified(SHIPPED_DIR / manifest["conversations"]["file"], manifest["conversations"]["sha256"])
     shutil.copyfile(src, p.conversations)
-    return {"shipped": str(src.relative_to(SHIPPED_DIR.parents[1])), "sha256": manifest["conversations"]["sha256"]}
+    return {"shipped": str(src.relative_to(SHIPPED_DIR.parents[1])), "shipped_sha256": manifest["conversations"]["sha256"]}
 
 
 def restore_draft(p: Paths, manifest: dict) -> dict:
