@@ -79,6 +79,23 @@ def greedy_tokens(hidden: torch.Tensor, head: torch.Tensor, rows_per_block: int 
     return arg
 
 
+def greedy_share_on_responses(states: CapturedStates, cont: TargetContinuation) -> tuple[float, int]:
+    """Share of response rows whose recorded next token is the target's greedy one (prompt
+    rows are the user's text, never the target's), and how many rows that is."""
+    T = states.num_tokens
+    ends = torch.cumsum(states.seq_lens, 0)
+    has_next = torch.ones(T, dtype=torch.bool)
+    has_next[ends - 1] = False
+    rows = has_next.clone()
+    if states.loss_mask is not None:
+        rows[:-1] &= states.loss_mask[1:].bool()
+    rows &= cont.next_token != UNKNOWN
+    if cont.from_recording or not rows.any():
+        return 1.0, int(rows.sum())  # the recording is the reference itself
+    idx = rows.nonzero().flatten()
+    return float((states.input_ids[idx + 1] == cont.next_token[idx]).float().mean()), int(idx.numel())
+
+
 def scored_rows(states: CapturedStates, cont: TargetContinuation, steps: int) -> torch.Tensor:
     """Rows whose k-step chain is fully checkable: the target's next tokens at rows t..t+k-1
     are known, the recorded tokens t+1..t+k-1 are those greedy tokens, and the first
@@ -143,6 +160,8 @@ class AcceptanceComparison:
     continuation_source: str
     recorded_matches: float
     training: dict | None  # speculators' held-out full_acc_j, when known
+    continuation: TargetContinuation | None = field(default=None, repr=False)
+    rows: torch.Tensor | None = field(default=None, repr=False)  # the scored rows
 
     @property
     def gap(self) -> float:
@@ -165,7 +184,7 @@ def compare_acceptance(ref: ChainRun, cand: ChainRun, states: CapturedStates, ta
     rows = scored_rows(states, cont, ref.target_tokens.shape[1])
     a, b = acceptance(ref, cont, rows), acceptance(cand, cont, rows)
     same = float((a.accepted_lengths == b.accepted_lengths).float().mean()) if a.scored_rows else 1.0
-    return AcceptanceComparison(a, b, tolerance, same, cont.source, cont.recorded_matches, training)
+    return AcceptanceComparison(a, b, tolerance, same, cont.source, cont.recorded_matches, training, cont, rows)
 
 
 def explain(acc: AcceptanceComparison, diagnosis) -> list[str]:
@@ -179,15 +198,16 @@ def explain(acc: AcceptanceComparison, diagnosis) -> list[str]:
         lines.append(f"{cand.engine} and {ref.engine} predict the same acceptance: mean accept length "
                      f"{cand.mean_accept_length:.3f} vs {ref.mean_accept_length:.3f} (gap {acc.gap:+.3f}, tolerance "
                      f"±{acc.tolerance}); {acc.same_length_rows:.1%} of rows accept exactly as many steps in both.")
-        if diagnosis is not None:
-            lines.append(f"The divergence found ({diagnosis.cause}, at {diagnosis.found_at}) changes some draft "
-                         f"tokens, but not enough of the accepted ones to move acceptance beyond the tolerance.")
+        serving = _serving_cause(diagnosis)
+        if serving is not None:
+            lines.append(f"The divergence found between the engines ({serving}) changes some draft tokens, but not "
+                         f"enough of the accepted ones to move acceptance beyond the tolerance: it costs nothing measurable.")
     else:
         lines.append(f"{cand.engine} predicts mean accept length {cand.mean_accept_length:.3f} against "
                      f"{ref.engine}'s {ref.mean_accept_length:.3f} (gap {acc.gap:+.3f}, tolerance ±{acc.tolerance}).")
-        if diagnosis is not None:
-            lines.append(f"The gap is the serving draft computing something else: {diagnosis.cause} "
-                         f"(found at {diagnosis.found_at}). {diagnosis.explanation}")
+        serving = _serving_cause(diagnosis)
+        if serving is not None:
+            lines.append(f"The gap is the serving draft computing something else: {serving}.")
         else:
             lines.append("No probe or audit finding explains it; near-tie argmax flips compound along the chain.")
     if acc.training:
@@ -197,7 +217,20 @@ def explain(acc: AcceptanceComparison, diagnosis) -> list[str]:
             lines.append(f"Training step-0 accuracy {p0:.3f} (speculators' full_acc_0 on its held-out split) is the "
                          f"first-step acceptance {ref.engine} should reproduce: here {ref.reach[0]:.3f} on {n} rows "
                          f"(±{2 * se:.3f} at 2σ for this many rows); {cand.engine}: {cand.reach[0]:.3f}.")
-            if abs(ref.reach[0] - p0) > 2 * se + 0.02:
-                lines.append("The training figure lies outside that band: the held-out split and these rows differ "
-                             "in content, or the states were not captured as the training data was.")
+            if ref.reach[0] > p0 + 2 * se + 0.02:
+                lines.append("The prediction lies above that band: these rows are easier than the held-out split.")
+            elif ref.reach[0] < p0 - 2 * se - 0.02:
+                lines.append("The prediction lies below that band: see the acceptance_below_training finding, which "
+                             "tests each explanation with numbers.")
     return lines
+
+
+def _serving_cause(diagnosis) -> str | None:
+    """The serving-side cause in a diagnosis (the headline, or a lower-ranked one), with its probe."""
+    if diagnosis is None:
+        return None
+    for entry in getattr(diagnosis, "ranked", None) or [{"cause": diagnosis.cause, "found_at": diagnosis.found_at,
+                                                          "side": "serving"}]:
+        if entry.get("side") == "serving":
+            return f"{entry['cause']}, at {entry['found_at']}"
+    return None

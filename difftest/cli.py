@@ -85,6 +85,8 @@ def report(
     target_capture: bool = typer.Option(True, "--target-capture/--no-target-capture",
                                         help="run the target through SGLang and compare its aux capture with the states"),
     training_metrics: Optional[Path] = typer.Option(None, help="JSON with speculators' held-out full_acc_0.. (shown next to the predictions)"),
+    training_run: Optional[Path] = typer.Option(None, help="the training run's output directory (or its saved checkpoint): "
+                                                "when acceptance falls below training's, the checkpoint is compared with it"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="print only the verdict line"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="show engine logs and tracebacks"),
 ) -> None:
@@ -123,12 +125,17 @@ def report(
                 jobs = [(fx.checkpoint, out), (fx.legacy, out / "legacy")]
                 if fx.training and fx.training.is_file():
                     extra["training"] = json.loads(fx.training.read_text())
+                training_run = training_run or fx.training_run
             else:
                 jobs = [(checkpoint, out)]
             if training_metrics is not None:
                 extra["training"] = _read_training_metrics(training_metrics)
+            if training_run is not None:
+                from difftest.audit.shortfall import final_training_checkpoint
+
+                final_training_checkpoint(training_run)  # a run with no checkpoint is an input error, up front
             analysis = {"chain_steps": chain_steps, "measure_target_capture": target_capture,
-                        "training_metrics": extra.get("training")}
+                        "training_metrics": extra.get("training"), "training_run": training_run}
             old_report = None
             if baseline is not None:
                 from difftest.report.baseline import load_baseline
@@ -144,10 +151,9 @@ def report(
                 base = {"report": old_report, "path": str(baseline), "factor": baseline_factor} if old_report else None
                 rep, paths = _report_one(ckpt, target, states, torch_dtype, device, out_dir, max_tokens, serving, extra,
                                          audit_config, allow_pickle, base, tracker, analysis)
-                first = rep["first_divergence"]
-                diag = rep["diagnosis"]
-                line = rep["verdict"] + (f": first divergence at {first['probe']} ({diag['cause']})" if first else
-                                         f": audit found {diag['cause']} (probes agree)" if diag else "")
+                from difftest.report.build import verdict_line
+
+                line = verdict_line(rep)
                 typer.echo(f"{line}  [{rep['checkpoint']['format']}: {ckpt}]" if len(jobs) > 1 else line)
                 if not quiet:
                     typer.echo(f"wrote {paths['json']}, {paths['md']} and {paths['html']}")

@@ -160,6 +160,28 @@ RULES: tuple[Rule, ...] = (
     Rule("vocab_mapping_mismatch", probes=("target_token",),
          explanation="Draft tokens agree but their target ids do not: the engines read d2t differently (offsets vs absolute ids).",
          fix="Store d2t as offsets (target = draft + d2t[draft]), as speculators and SGLang both expect."),
+    # After training: both engines load the same changed checkpoint alike, so only the
+    # training run's own metric exposes it (difftest/audit/shortfall.py tests each explanation).
+    Rule("checkpoint_changed_after_training", findings=("checkpoint_changed_after_training",),
+         explanation=("Predicted acceptance is far below the training run's held-out accuracy in both engines, and "
+                      "the checkpoint's tensors are not the ones the training run saved: it was changed after "
+                      "training (edited, converted lossily, or mixed from several runs)."),
+         fix="Serve the training run's own saved checkpoint; re-run difftest with --training-run on what you deploy."),
+    Rule("vocab_map_out_of_step", findings=("vocab_map_out_of_step",),
+         explanation=("Predicted acceptance is far below training's in both engines, and the draft's predictions, "
+                      "mapped through d2t, land on tokens the target emits no more often than chance: the vocab map "
+                      "and the head disagree on what a draft id means (a map regenerated after training, or head rows "
+                      "reordered)."),
+         fix="Ship the d2t/t2d the draft was trained with (speculators writes them into the checkpoint at save)."),
+    Rule("states_not_target_greedy", findings=("states_not_target_greedy",),
+         explanation=("Predicted acceptance is far below training's, and the states' tokens are mostly not the "
+                      "target's own greedy continuation: these states were not produced the way the training data was."),
+         fix="Capture states from the target's own greedy (temperature-0) generations, as training data is."),
+    Rule("acceptance_below_training", findings=("acceptance_below_training",),
+         explanation=("Predicted acceptance is far below the training run's held-out accuracy, and none of the "
+                      "explanations difftest can test here is supported by the numbers."),
+         fix="Give --training-run (the checkpoint saved by training) so the checkpoint can be compared with it, and "
+             "check that the states come from the same target and data distribution as training's."),
     Rule("decoder_math_divergence",
          probes=("layer0.embed_norm", "layer0.hidden_norm", "layer0.attn_output", "layer0.mlp_output", "layer0.output", "final_norm"),
          explanation="The decoder layer computes differently in the two engines from this probe on, with identical inputs.",
@@ -180,6 +202,9 @@ class Diagnosis:
     evidence: list[str] = field(default_factory=list)  # the findings behind the cause
     also: list[str] = field(default_factory=list)  # other error findings' causes
     evidence_checks: list[str] = field(default_factory=list)  # the audit checks that produced the evidence
+    # Every cause considered for the headline, most costly first: {cause, found_at, side,
+    # cost_accept_length (None: not measurable), how}. The headline is its first entry.
+    ranked: list[dict] = field(default_factory=list)
 
     @property
     def found_at(self) -> str:
@@ -190,7 +215,7 @@ class Diagnosis:
 
     def as_dict(self) -> dict:
         return {"cause": self.cause, "probe": self.probe, "found_at": self.found_at, "explanation": self.explanation,
-                "fix": self.fix, "evidence": self.evidence, "also": self.also}
+                "fix": self.fix, "evidence": self.evidence, "also": self.also, "ranked": self.ranked}
 
 
 def diagnose(comparison: Comparison, findings: list[Finding] = ()) -> Diagnosis | None:
@@ -213,3 +238,57 @@ def diagnose(comparison: Comparison, findings: list[Finding] = ()) -> Diagnosis 
         "Read the per-probe table from this probe on, the audit findings and the load ledger.",
         probe, [f.message for f in errors], sorted(causes), [f.check for f in errors],
     )
+
+
+SHORTFALL_CAUSES = ("checkpoint_changed_after_training", "vocab_map_out_of_step", "states_not_target_greedy",
+                    "acceptance_below_training")
+
+
+def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=None) -> Diagnosis | None:
+    """The headline is the cause that costs the most acceptance.
+
+    Two costs can be measured on every run that drafts chains: the serving divergence's
+    (the reference engine's predicted accept length against the serving engine's, same rows,
+    same checkpoint) and the training shortfall's (training's accept length, 1 + sum of
+    full_acc_j, against the reference engine's prediction). A divergence within the accept-
+    length tolerance costs nothing measurable and never outranks one that costs something.
+    """
+    shortfall = [f for f in findings if f.severity is Severity.ERROR and f.cause in SHORTFALL_CAUSES]
+    serving_findings = [f for f in findings if f not in shortfall]
+    serving = diagnose(comparison, serving_findings)
+    candidates: list[tuple[Diagnosis, dict]] = []
+    if serving is not None:
+        entry = {"cause": serving.cause, "found_at": serving.found_at, "side": "serving",
+                 "cost_accept_length": None, "how": "not measured: no chain was drafted (--chain-steps 0)"}
+        if acceptance is not None:
+            gap = acceptance.reference.mean_accept_length - acceptance.candidate.mean_accept_length
+            entry["cost_accept_length"] = gap
+            entry["how"] = (f"{acceptance.reference.engine} vs {acceptance.candidate.engine} predicted accept length on "
+                            f"the same {acceptance.reference.scored_rows} rows")
+            if abs(gap) <= acceptance.tolerance:
+                entry["how"] += f": costs nothing measurable (within ±{acceptance.tolerance})"
+        candidates.append((serving, entry))
+    if shortfall:
+        found = shortfall[0]
+        short = diagnose(Comparison([]), [found])
+        entry = {"cause": short.cause, "found_at": f"audit:{found.check}", "side": "training",
+                 "cost_accept_length": found.measured.get("cost_accept_length"),
+                 "how": "training's accept length (1 + sum of held-out full_acc_j) vs the reference engine's prediction"}
+        candidates.append((short, entry))
+    if not candidates:
+        return None
+
+    def cost(item) -> float:
+        c = item[1]["cost_accept_length"]
+        if c is None:
+            return 0.0
+        # Within tolerance is no measurable cost, whatever its sign.
+        if acceptance is not None and item[1]["side"] == "serving" and abs(c) <= acceptance.tolerance:
+            return 0.0
+        return c
+
+    ordered = sorted(candidates, key=cost, reverse=True)  # stable: the rules' order breaks ties
+    head = ordered[0][0]
+    head.ranked = [entry for _, entry in ordered]
+    head.also = sorted(set(head.also) | {d.cause for d, _ in ordered[1:]})
+    return head

@@ -88,6 +88,10 @@ class Fault:
     inject: Callable[[Workspace], None]
     # Run dtypes the fault means something at (e.g. a downcast is a no-op at bf16).
     dtypes: tuple[str, ...] = ("fp32", "bf16")
+    # A change made to the checkpoint after training, which both engines load alike: only the
+    # training run's own metric can expose it, so it runs on a fixture that has one, with
+    # chains drafted, on the draft as trained (no baseline edits).
+    after_training: bool = False
 
 
 def _d2t(edit: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Workspace], None]:
@@ -154,6 +158,32 @@ def _downcast_weights(ws: Workspace) -> None:
     ws.edit_tensors(lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items() if v.is_floating_point()}))
 
 
+def _shuffled_head_rows(ws: Workspace) -> None:
+    def shuffle(t: dict) -> None:
+        g = torch.Generator().manual_seed(0)
+        t["lm_head.weight"] = t["lm_head.weight"][torch.randperm(t["lm_head.weight"].shape[0], generator=g)]
+
+    ws.edit_tensors(shuffle)
+
+
+def _regenerated_vocab_map(ws: Workspace) -> None:
+    """A valid map (offsets, unique, t2d agreeing) for another draft vocab, as if rebuilt from
+    other data after training: the vocab audit passes it."""
+    def remap(t: dict) -> None:
+        n, vocab = t["d2t"].numel(), t["t2d"].numel()
+        ids = torch.arange(vocab, dtype=torch.int64)[torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:n]].sort().values
+        t["d2t"] = (ids - torch.arange(n)).to(t["d2t"].dtype)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[ids] = True
+        t["t2d"] = t2d
+
+    ws.edit_tensors(remap)
+
+
+def _fc_sign_flipped(ws: Workspace) -> None:
+    ws.edit_tensors(lambda t: t.__setitem__("fc.weight", -t["fc.weight"]))
+
+
 FAULTS: tuple[Fault, ...] = (
     # sglang 0.5.23 maps both midlayer.* and layers.0.* itself; a name it has no rule for
     # (here a 1-based layer index from a converter) is what it still drops without a word.
@@ -186,6 +216,14 @@ FAULTS: tuple[Fault, ...] = (
           "logits", "tied_embeddings", lambda ws: ws.serve_config_edit("tie_word_embeddings", True)),
     Fault("weights_downcast", "weights in a different dtype (bf16) from the target states (fp32)",
           "embed", "embedding_precision", _downcast_weights, dtypes=("fp32",)),
+    # After training: both engines agree, acceptance collapses, and the draft's own
+    # norm_before_residual divergence (which costs nothing) must not take the headline.
+    Fault("head_rows_shuffled_after_training", "lm_head rows reordered after training: the head out of step with d2t",
+          "audit:acceptance", "vocab_map_out_of_step", _shuffled_head_rows, dtypes=("bf16",), after_training=True),
+    Fault("vocab_map_regenerated_after_training", "d2t/t2d rebuilt from other data after training (a valid map, the wrong one)",
+          "audit:acceptance", "vocab_map_out_of_step", _regenerated_vocab_map, dtypes=("bf16",), after_training=True),
+    Fault("fc_edited_after_training", "a weight edited after training (fc's sign flipped by a bad conversion)",
+          "audit:acceptance", "checkpoint_changed_after_training", _fc_sign_flipped, dtypes=("bf16",), after_training=True),
 )
 
 FAULTS_BY_NAME = {f.name: f for f in FAULTS}

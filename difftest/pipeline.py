@@ -14,7 +14,7 @@ import torch
 
 from difftest.checkpoint import Checkpoint, load_checkpoint
 from difftest.compare import Comparison, compare_runs
-from difftest.diagnosis import Diagnosis, diagnose
+from difftest.diagnosis import Diagnosis, rank_by_cost
 from difftest.engines.base import EngineAdapter, EngineRun, RunOptions, ServingSetup
 from difftest.errors import InputError
 from difftest.noise import noise_floor
@@ -159,6 +159,7 @@ def run(
     chain_steps: int = 0,
     measure_target_capture: bool = False,
     training_metrics: dict | None = None,
+    training_run: Path | None = None,
 ) -> RunResult:
     reference = reference or reference_adapter()
     candidate = candidate or candidate_adapter()
@@ -195,12 +196,16 @@ def run(
     if measure_target_capture:
         parity, parity_findings = target_capture_parity(inputs, candidate, options, on_step)
         findings += parity_findings
-    diagnosis = diagnose(comparison, findings)
     accept = None
     if chain_steps > 0:
         from difftest.acceptance import compare_acceptance
+        from difftest.audit.shortfall import check_training_shortfall
 
         accept = compare_acceptance(ref_run.chain, cand_run.chain, inputs.states, inputs.target, training_metrics)
+        on_step("acceptance: against training's held-out accuracy")
+        findings += check_training_shortfall(accept, ref_run.chain, inputs.checkpoint, inputs.states, training_run)
+    # The headline is the cause that costs the most acceptance, serving divergence or training shortfall.
+    diagnosis = rank_by_cost(comparison, findings, accept)
     return RunResult(
         inputs=inputs, options=options, tolerance=tol, reference=ref_run, candidate=cand_run,
         comparison=comparison, diagnosis=diagnosis, noise_floor=floor,

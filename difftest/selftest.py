@@ -30,6 +30,8 @@ class SelftestFixture:
     # Edits that make the clean baseline a draft both engines can compute identically;
     # each says why. Applied to the scratch copy before any fault.
     baseline: tuple[tuple[str, Callable[[Workspace], None]], ...] = ()
+    training_metrics: dict | None = None  # the training run's held-out full_acc_j, when known
+    training_run: Path | None = None
 
 
 @dataclass
@@ -113,11 +115,13 @@ def fixtures(which: str) -> list[SelftestFixture]:
     if which in ("default", "all"):
         from difftest.fixturegen.default import default_fixture
 
+        import json
+
         fx = default_fixture(progress=False)
         out.append(SelftestFixture("smollm2", fx.checkpoint, fx.target, fx.states, baseline=(
             ("norm_before_residual=false", _norm_before_residual_off),
             ("embed_tokens at the target's precision", _embed_at_target_precision),
-        )))
+        ), training_metrics=json.loads(fx.training.read_text()), training_run=fx.training_run))
     return out
 
 
@@ -128,12 +132,14 @@ def run_one(fx: SelftestFixture, states: CapturedStates, dtype_name: str, fault:
     dtype = DTYPES[dtype_name]
     with scratch_dir() as tmp:
         ws = Workspace.copy_of(fx.checkpoint, states, fx.target, Path(tmp), dtype)
-        for _, edit in fx.baseline:
+        after_training = fault is not None and fault.after_training
+        for _, edit in () if after_training else fx.baseline:
             edit(ws)
         if fault is not None:
             fault.inject(ws)
         inputs = pipeline.prepare(ws.checkpoint, ws.target, ws.states_file())
-        result = pipeline.run(inputs, dtype=dtype, serving=ws.serving, measure_noise=False)
+        extra = dict(chain_steps=4, training_metrics=fx.training_metrics, training_run=fx.training_run) if after_training else {}
+        result = pipeline.run(inputs, dtype=dtype, serving=ws.serving, measure_noise=False, **extra)
     diag = result.diagnosis
     return Outcome(
         fixture=fx.name, dtype=dtype_name, fault=fault.name if fault else CLEAN,
@@ -152,7 +158,8 @@ def run_selftest(which: str = "all", dtypes: Iterable[str] = ("fp32", "bf16"), o
         if max_tokens:
             states = states.head(max_tokens)
         for dtype_name in dtypes:
-            for fault in [None, *[f for f in chosen if dtype_name in f.dtypes]]:
+            applicable = [f for f in chosen if dtype_name in f.dtypes and (fx.training_metrics or not f.after_training)]
+            for fault in [None, *applicable]:
                 outcome = run_one(fx, states, dtype_name, fault)
                 outcomes.append(outcome)
                 if on_outcome:

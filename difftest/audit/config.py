@@ -161,6 +161,14 @@ def _effect(a: EngineRun, b: EngineRun) -> float:
     return worst
 
 
+def _unmeasurable(run: EngineRun) -> str:
+    """Why a baseline run cannot anchor the measurement ('' when it can)."""
+    for name, t in run.probes.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return f"{run.engine}'s baseline already has non-finite values at {name} (see the load ledger)"
+    return ""
+
+
 def _run(adapter: EngineAdapter, ckpt: Checkpoint, e: _Engines) -> EngineRun | str:
     try:
         return adapter.run(ckpt, e.target, e.states, e.options)
@@ -188,6 +196,12 @@ def audit_config(ckpt: Checkpoint, target: TargetWeights, states: CapturedStates
         base_ref, base_cand = _run(reference, base, e), _run(candidate, base, e)
         if isinstance(base_ref, str) or isinstance(base_cand, str):
             raise RuntimeError(f"config audit baseline failed: {base_ref if isinstance(base_ref, str) else base_cand}")
+        broken = _unmeasurable(base_ref) or _unmeasurable(base_cand)
+        if broken:
+            # A flipped field cannot be told apart from NaN already in the outputs: every
+            # variant would "change" the forward. Say so instead of reporting findings.
+            return [{"field": path, "value": value, "kind": (rule_for(path) or FieldRule("", "unclassified")).kind,
+                     "verdict": f"not measured: {broken}"} for path, value in _leaves(base.config)], []
         for i, (path, value) in enumerate(_leaves(config)):
             rule = rule_for(path)
             row = {"field": path, "value": value, "kind": rule.kind if rule else "unclassified"}

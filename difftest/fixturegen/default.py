@@ -16,6 +16,7 @@ class Fixture:
     states: Path
     legacy: Path | None = None
     training: Path | None = None
+    training_run: Path | None = None  # the trainer's saved checkpoint, for --training-run
 
 
 def tiny_fixture() -> Fixture:
@@ -34,4 +35,4 @@ def default_fixture(progress: bool = True, tracker=None) -> Fixture:
         own = Tracker(progress, "difftest fixture")
         with own.live():
             p = smollm2.build(own)
-    return Fixture(p.draft, p.target, p.states, p.legacy, p.training_json)
+    return Fixture(p.draft, p.target, p.states, p.legacy, p.training_json, p.train_out)

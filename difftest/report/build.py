@@ -32,6 +32,37 @@ def verdict_of(result: RunResult) -> str:
     return "PARITY" if result.diagnosis is None else "DIVERGED"
 
 
+def verdict_line(report: dict) -> str:
+    """One line: the verdict, the cause that costs the most acceptance where it was found, and
+    each other cause at its own place with its cost (a probe is never paired with a cause
+    found elsewhere)."""
+    diag = report.get("diagnosis")
+    if not diag:
+        return report["verdict"]
+    first = report.get("first_divergence")
+    ranked = diag.get("ranked") or [{"cause": diag["cause"], "found_at": diag.get("found_at"), "side": "serving",
+                                     "cost_accept_length": None}]
+
+    def where(entry: dict) -> str:
+        if entry.get("side") == "serving" and first:
+            return f"first divergence at {first['probe']} ({entry['cause']})"
+        if entry.get("side") == "serving":
+            return f"audit found {entry['cause']} (probes agree)"
+        return f"{entry['cause']} (found at {entry['found_at']})"
+
+    def cost(entry: dict) -> str:
+        c = entry.get("cost_accept_length")
+        if c is None:
+            return ""
+        if "nothing measurable" in entry.get("how", ""):
+            return ", costs nothing measurable"
+        return f", costs {c:+.2f} accept length"
+
+    head, rest = ranked[0], ranked[1:]
+    return (f"{report['verdict']}: {where(head)}{cost(head)}"
+            + "".join(f"; also {where(e)}{cost(e)}" for e in rest))
+
+
 def build_report(result: RunResult, command: list[str] | None = None, extra: dict | None = None) -> dict:
     first = result.comparison.first_divergence
     ckpt = result.inputs.checkpoint
@@ -118,12 +149,21 @@ def render_markdown(report: dict) -> str:
     lines = [f"# difftest report: {report['verdict']}", ""]
     diag = report.get("diagnosis")
     if diag:
-        where = f"first divergence at `{diag['probe']}`" if diag["probe"] else "found by the audit; the probes agree"
+        lines += [f"**{verdict_line(report)}**", ""]
+        where = f"found at `{diag['found_at']}`" if diag.get("found_at") else (
+            f"first divergence at `{diag['probe']}`" if diag["probe"] else "found by the audit; the probes agree")
         lines += [f"**Root cause:** `{diag['cause']}` ({where})", "", diag["explanation"], ""]
         lines += [f"- evidence: {e}" for e in diag.get("evidence") or []]
         if diag.get("also"):
             lines.append(f"- other audit errors: {', '.join(diag['also'])}")
         lines += ["", f"**Fix:** {diag['fix']}", ""]
+        if len(diag.get("ranked") or []) > 1 or any(e.get("cost_accept_length") is not None for e in diag.get("ranked") or []):
+            lines += ["## What costs acceptance (most first)", "", "| cause | found at | side | cost in mean accept length | measured as |",
+                      "|---|---|---|---|---|"]
+            for e in diag["ranked"]:
+                c = e.get("cost_accept_length")
+                lines.append(f"| `{e['cause']}` | {e['found_at']} | {e['side']} | {'not measured' if c is None else f'{c:+.3f}'} | {e['how']} |")
+            lines.append("")
     else:
         lines += ["Every probe agrees within the "
                   f"{report['tolerance']['dtype']} tolerance.", ""]

@@ -169,8 +169,9 @@ def render_html(report: dict) -> str:
              f"<style>{CSS}</style></head><body>"]
     sub = ""
     if diag:
-        where = f"first divergence at {diag['probe']}" if diag.get("probe") else "found by the audit; the probes agree"
-        sub = f"{diag['cause']} ({where})"
+        from difftest.report.build import verdict_line
+
+        sub = verdict_line(report).split(": ", 1)[-1]
     else:
         sub = f"every probe agrees within the {report['tolerance']['dtype']} tolerance; no audit errors"
     parts.append(f"<div class='banner {_e(verdict)}' id='verdict'>{_e(verdict)}<small>{_e(sub)}</small></div><main>")
@@ -181,6 +182,12 @@ def render_html(report: dict) -> str:
         if diag.get("also"):
             parts.append(f"<p>Other audit errors: {_e(', '.join(diag['also']))}</p>")
         parts.append(f"</div><div class='fix'><b>Fix:</b> {_e(diag['fix'])}</div>")
+        if diag.get("ranked"):
+            parts.append("<h2>What costs acceptance (most first)</h2>" + _table(
+                ["cause", "found at", "side", "cost in mean accept length", "measured as"],
+                [[f"<code>{_e(e['cause'])}</code>", _e(e["found_at"]), _e(e["side"]),
+                  "not measured" if e.get("cost_accept_length") is None else f"{e['cost_accept_length']:+.3f}", _e(e["how"])]
+                 for e in diag["ranked"]]))
     ck = report["checkpoint"]
     parts.append(f"<p>Checkpoint <code>{_e(ck['path'])}</code> ({_e(ck['format'])} format), "
                  f"{report['inputs']['num_tokens']} tokens in {report['inputs'].get('num_requests', '?')} requests, "
