@@ -128,6 +128,12 @@ RULES: tuple[Rule, ...] = (
     Rule("d2t_missing", findings=("d2t_missing", "t2d_bad_shape", "t2d_bad_count"),
          explanation="The draft vocab is smaller than the target's but there is no usable mapping, so draft ids are read as target ids.",
          fix=D2T_FIX),
+    Rule("shipped_embedding_replaced", findings=("shipped_embedding_replaced",), probes=("embed",),
+         explanation=("The checkpoint ships an embedding of its own, not the target's. One engine uses the shipped "
+                      "tensor, the other replaces it with the target's embedding (SGLang's EAGLE worker calls "
+                      "set_embed whenever the hidden sizes match), so the draft embeds every token differently."),
+         fix="Drop embed_tokens from the checkpoint if the draft was trained on the target's embedding, or serve "
+             "with the shipped one (a draft whose hidden size differs from the target's keeps its own)."),
     # Below every injected-style cause: this one is a property of the trained draft, and whatever
     # breaks upstream of the residual (capture, keys, heads, vocab) is the first thing to fix.
     Rule("norm_before_residual_ignored", findings=("norm_before_residual_ignored",),
@@ -240,6 +246,26 @@ def diagnose(comparison: Comparison, findings: list[Finding] = ()) -> Diagnosis 
     )
 
 
+def _precision_only_first(comparison: Comparison, serving: Diagnosis | None) -> Diagnosis | None:
+    """The precision diagnosis of the first divergent probe, when it differs by rounding alone
+    and the serving headline is some other cause found by the audit."""
+    first = comparison.first_divergence
+    if serving is None or first is None or "within low-precision rounding" not in first.detail:
+        return None
+    if not serving.evidence or serving.cause == "embedding_precision":
+        return None
+    own = diagnose(comparison, [])
+    if own is None or own.cause == serving.cause:
+        return None
+    return own
+
+
+def _home_probe(cause: str, comparison: Comparison) -> str | None:
+    """The first divergent probe where this cause's own probe rule looks, if any fails there."""
+    homes = {p for r in RULES if r.cause == cause for p in r.probes}
+    return next((r.probe for r in comparison.results if not r.ok and r.probe in homes), None)
+
+
 SHORTFALL_CAUSES = ("checkpoint_changed_after_training", "vocab_map_out_of_step", "states_not_target_greedy",
                     "acceptance_below_training")
 
@@ -257,6 +283,11 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
     serving_findings = [f for f in findings if f not in shortfall]
     serving = diagnose(comparison, serving_findings)
     candidates: list[tuple[Diagnosis, dict]] = []
+    precision = _precision_only_first(comparison, serving)
+    if precision is not None:
+        # The first divergent probe differs by rounding alone, and the real cause (a finding)
+        # lives further down: each is reported at its own place, never one at the other's.
+        serving.probe = _home_probe(serving.cause, comparison)
     if serving is not None:
         entry = {"cause": serving.cause, "found_at": serving.found_at, "side": "serving",
                  "cost_accept_length": None, "how": "not measured: no chain was drafted (--chain-steps 0)"}
@@ -268,6 +299,11 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
             if abs(gap) <= acceptance.tolerance:
                 entry["how"] += f": costs nothing measurable (within ±{acceptance.tolerance})"
         candidates.append((serving, entry))
+    if precision is not None:
+        candidates.append((precision, {"cause": precision.cause, "found_at": precision.found_at, "side": "serving",
+                                       "cost_accept_length": None,
+                                       "how": "rounding only: not separable from the serving gap; compare at the "
+                                              "checkpoint's dtype (--dtype auto) to remove it"}))
     if shortfall:
         found = shortfall[0]
         short = diagnose(Comparison([]), [found])

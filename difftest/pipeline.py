@@ -243,11 +243,12 @@ def audit(inputs: RunInputs, reference: EngineAdapter, candidate: EngineAdapter,
     from difftest.audit.capture import check_capture
     from difftest.audit.findings import Finding, Severity
     from difftest.audit.conversion import check_conversion
-    from difftest.audit.ledger import check_ledgers
+    from difftest.audit.ledger import check_ledgers, check_shipped_embedding
     from difftest.audit.vocab import check_vocab
 
     ckpt = inputs.checkpoint
-    findings = check_ledgers(ref_run, cand_run) + check_vocab(ckpt)
+    findings = (check_ledgers(ref_run, cand_run) + check_shipped_embedding(ckpt, inputs.target, ref_run, cand_run)
+                + check_vocab(ckpt))
     conversion_rows, conversion_findings = check_conversion(ckpt, cand_run.details.get("served_config", ckpt.config))
     serving_plan = candidate.capture_plan(ckpt, inputs.target, options)
     training_plan = reference.capture_plan(ckpt, inputs.target, RunOptions(dtype=options.dtype, device=options.device))

@@ -50,3 +50,35 @@ def check_ledgers(reference: EngineRun, candidate: EngineRun) -> list[Finding]:
         out.append(Finding(CHECK, "keys_dropped", Severity.ERROR,
                            f"{reference.engine} has no parameter for {ref_dropped[:6]}", {"dropped": ref_dropped}))
     return out
+
+
+def check_shipped_embedding(checkpoint, target, reference: EngineRun, candidate: EngineRun) -> list[Finding]:
+    """A draft that ships an embedding of its own (not the target's, even after rounding):
+    an engine that shares the target's in its place computes from other inputs than one that
+    uses the shipped tensor, and neither says so."""
+    import torch
+
+    from difftest.convert import speculators_name
+
+    name = next((n for n in checkpoint.tensor_names() if speculators_name(n) == "embed_tokens.weight"), None)
+    if name is None:
+        return []
+    shipped = checkpoint.get(name)
+    own = target.embed
+    if shipped.shape != own.shape:
+        return []
+    low = shipped.dtype if shipped.element_size() <= own.element_size() else own.dtype
+    if torch.equal(shipped.to(low), own.to(low)):
+        return []  # the target's embedding, at some precision: embedding_precision covers it
+    fates = {}
+    for run in (reference, candidate):
+        embeds = [f for n, (f, _) in run.ledger.params.items() if _is_embed(n) and not n.startswith("verifier_")]
+        fates[run.engine] = embeds[0] if embeds else None
+    if len({f for f in fates.values()}) < 2:
+        return []
+    uses = ", ".join(f"{engine} {'the target embedding (shared)' if f is ParamFate.SHARED else 'the shipped one'}"
+                     for engine, f in fates.items())
+    diff = float((shipped.float() - own.float()).abs().max())
+    return [Finding(CHECK, "shipped_embedding_replaced", Severity.ERROR,
+                    f"the checkpoint ships its own embed_tokens ({name}, max |diff| {diff:.3g} from the target's): {uses}",
+                    {"max_abs_diff_from_target": diff, "fates": {k: v.value if v else None for k, v in fates.items()}})]

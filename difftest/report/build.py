@@ -44,11 +44,14 @@ def verdict_line(report: dict) -> str:
                                      "cost_accept_length": None}]
 
     def where(entry: dict) -> str:
-        if entry.get("side") == "serving" and first:
-            return f"first divergence at {first['probe']} ({entry['cause']})"
-        if entry.get("side") == "serving":
+        at = entry.get("found_at") or ""
+        if first and at == first["probe"]:
+            return f"first divergence at {at} ({entry['cause']})"
+        if entry.get("side") == "serving" and not first:
             return f"audit found {entry['cause']} (probes agree)"
-        return f"{entry['cause']} (found at {entry['found_at']})"
+        if entry.get("side") == "serving" and not at.startswith("audit"):
+            return f"divergence at {at} ({entry['cause']})"
+        return f"{entry['cause']} (found at {at})"
 
     def cost(entry: dict) -> str:
         c = entry.get("cost_accept_length")
@@ -56,6 +59,8 @@ def verdict_line(report: dict) -> str:
             return ""
         if "nothing measurable" in entry.get("how", ""):
             return ", costs nothing measurable"
+        if c < 0:
+            return f", costs {c:+.2f} accept length (the serving engine does better here)"
         return f", costs {c:+.2f} accept length"
 
     head, rest = ranked[0], ranked[1:]
