@@ -279,7 +279,9 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
     full_acc_j, against the reference engine's prediction). A divergence within the accept-
     length tolerance costs nothing measurable and never outranks one that costs something.
     """
-    shortfall = [f for f in findings if f.severity is Severity.ERROR and f.cause in SHORTFALL_CAUSES]
+    from difftest.audit.shortfall import CHECK as SHORTFALL_CHECK
+
+    shortfall = [f for f in findings if f.severity is Severity.ERROR and f.check == SHORTFALL_CHECK]
     serving_findings = [f for f in findings if f not in shortfall]
     serving = diagnose(comparison, serving_findings)
     candidates: list[tuple[Diagnosis, dict]] = []

@@ -32,6 +32,9 @@ class SelftestFixture:
     baseline: tuple[tuple[str, Callable[[Workspace], None]], ...] = ()
     training_metrics: dict | None = None  # the training run's held-out full_acc_j, when known
     training_run: Path | None = None
+    # Chain steps drafted on every run, so each fault's cost in acceptance is measured against
+    # the clean run (0: not measured; a random-weight draft has no acceptance to lose).
+    chain_steps: int = 0
 
 
 @dataclass
@@ -44,6 +47,11 @@ class Outcome:
     found_at: str
     found_cause: str | None
     seconds: float
+    # Predicted mean accept length per engine side, when chains were drafted.
+    accept_length: dict | None = None
+    # Measured cost in mean accept length: against the clean run, per engine side (filled by
+    # run_selftest), or for a fault made after training, against training's own metric.
+    cost: dict | None = None
 
     @property
     def passed(self) -> bool:
@@ -121,7 +129,7 @@ def fixtures(which: str) -> list[SelftestFixture]:
         out.append(SelftestFixture("smollm2", fx.checkpoint, fx.target, fx.states, baseline=(
             ("norm_before_residual=false", _norm_before_residual_off),
             ("embed_tokens at the target's precision", _embed_at_target_precision),
-        ), training_metrics=json.loads(fx.training.read_text()), training_run=fx.training_run))
+        ), training_metrics=json.loads(fx.training.read_text()), training_run=fx.training_run, chain_steps=4))
     return out
 
 
@@ -138,14 +146,21 @@ def run_one(fx: SelftestFixture, states: CapturedStates, dtype_name: str, fault:
         if fault is not None:
             fault.inject(ws)
         inputs = pipeline.prepare(ws.checkpoint, ws.target, ws.states_file())
-        extra = dict(chain_steps=4, training_metrics=fx.training_metrics, training_run=fx.training_run) if after_training else {}
-        result = pipeline.run(inputs, dtype=dtype, serving=ws.serving, measure_noise=False, **extra)
+        extra = dict(training_metrics=fx.training_metrics, training_run=fx.training_run) if after_training else {}
+        result = pipeline.run(inputs, dtype=dtype, serving=ws.serving, measure_noise=False,
+                              chain_steps=fx.chain_steps or (4 if after_training else 0), **extra)
     diag = result.diagnosis
+    accept = cost = None
+    if result.acceptance is not None:
+        accept = {"reference": result.acceptance.reference.mean_accept_length,
+                  "serving": result.acceptance.candidate.mean_accept_length}
+    if after_training and diag is not None and diag.ranked:
+        cost = {"against": "training", "training": diag.ranked[0]["cost_accept_length"]}
     return Outcome(
         fixture=fx.name, dtype=dtype_name, fault=fault.name if fault else CLEAN,
         expected_at=fault.caught_at if fault else "-", expected_cause=fault.diagnosis if fault else None,
         found_at=diag.found_at if diag else "-", found_cause=diag.cause if diag else None,
-        seconds=time.perf_counter() - t0,
+        seconds=time.perf_counter() - t0, accept_length=accept, cost=cost,
     )
 
 
@@ -159,8 +174,15 @@ def run_selftest(which: str = "all", dtypes: Iterable[str] = ("fp32", "bf16"), o
             states = states.head(max_tokens)
         for dtype_name in dtypes:
             applicable = [f for f in chosen if dtype_name in f.dtypes and (fx.training_metrics or not f.after_training)]
+            clean = None
             for fault in [None, *applicable]:
                 outcome = run_one(fx, states, dtype_name, fault)
+                if fault is None:
+                    clean = outcome
+                elif outcome.cost is None and outcome.accept_length and clean and clean.accept_length:
+                    # With and without the fault, in each engine: what it costs there.
+                    outcome.cost = {"against": "clean run", **{side: clean.accept_length[side] - outcome.accept_length[side]
+                                                                for side in ("reference", "serving")}}
                 outcomes.append(outcome)
                 if on_outcome:
                     on_outcome(outcome)
@@ -171,25 +193,35 @@ def render_table(score: Score):
     from rich.table import Table
 
     table = Table(title="difftest selftest")
-    for col in ("fixture", "dtype", "fault", "expected place", "found place", "diagnosis", "result"):
+    for col in ("fixture", "dtype", "fault", "expected place", "found place", "diagnosis", "cost", "result"):
         table.add_column(col, overflow="fold")
     for o in score.outcomes:
         diag = o.found_cause or "-"
         if o.fault != CLEAN and o.found_cause != o.expected_cause:
             diag = f"{diag} (expected {o.expected_cause})"
-        table.add_row(o.fixture, o.dtype, o.fault, o.expected_at, o.found_at, diag, "pass" if o.passed else "FAIL")
+        table.add_row(o.fixture, o.dtype, o.fault, o.expected_at, o.found_at, diag, format_cost(o.cost),
+                      "pass" if o.passed else "FAIL")
     return table
+
+
+def format_cost(cost: dict | None) -> str:
+    if not cost:
+        return "-"
+    if cost.get("against") == "training":
+        c = cost.get("training")
+        return "-" if c is None else f"{c:+.2f} vs training"
+    return f"serving {cost['serving']:+.2f}, reference {cost['reference']:+.2f}"
 
 
 def render_markdown(score: Score) -> str:
     lines = ["# difftest selftest", "",
              f"Mutation score {score.caught}/{len(score.faults)} ({score.mutation_score:.0%}); "
              f"false alarms {score.false_alarms} on {len(score.outcomes) - len(score.faults)} clean runs.", "",
-             "| fixture | dtype | fault | expected place | found place | diagnosis | result |",
-             "|---|---|---|---|---|---|---|"]
+             "| fixture | dtype | fault | expected place | found place | diagnosis | cost in accept length | result |",
+             "|---|---|---|---|---|---|---|---|"]
     for o in score.outcomes:
         lines.append(f"| {o.fixture} | {o.dtype} | {o.fault} | {o.expected_at} | {o.found_at} | {o.found_cause or '-'} | "
-                     f"{'pass' if o.passed else '**FAIL**'} |")
+                     f"{format_cost(o.cost)} | {'pass' if o.passed else '**FAIL**'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -91,7 +91,14 @@ def _changed_tensors(checkpoint, run_dir: Path) -> tuple[list[str], int]:
     return changed, compared
 
 
-def check_training_shortfall(acc, reference_chain, checkpoint, states, training_run: Path | None = None) -> list[Finding]:
+# Capture-audit causes that say the states' chunks are not the layers the draft was trained on,
+# most specific first: both engines read those same states, so they explain a shortfall that
+# no engine comparison can see.
+STATES_CAUSES = ("aux_layers_wrong_order", "aux_layers_off_by_one", "states_not_from_this_config", "aux_layers_mismatch")
+
+
+def check_training_shortfall(acc, reference_chain, checkpoint, states, training_run: Path | None = None,
+                             findings: list[Finding] = ()) -> list[Finding]:
     """An ERROR finding when the reference engine's predicted step-1 acceptance is below
     training's full_acc_0 band, with every explanation that can be tested, tested."""
     training = acc.training or {}
@@ -112,6 +119,7 @@ def check_training_shortfall(acc, reference_chain, checkpoint, states, training_
     continuation, rows = acc.continuation, acc.rows
     explanations = [
         # Most specific first: a map out of step is also a changed checkpoint, and says more.
+        _states_not_trained_layers(findings),
         _tokens_not_greedy(states, continuation),
         _vocab_map_out_of_step(reference_chain, checkpoint, continuation, rows),
         _changed_after_training(checkpoint, training_run),
@@ -129,6 +137,21 @@ def check_training_shortfall(acc, reference_chain, checkpoint, states, training_
                f"does what was trained (accept length {predicted_length:.2f} vs training's {trained_length:.2f})"
                + why)
     return [Finding(CHECK, cause, Severity.ERROR, message, measured)]
+
+
+def _states_not_trained_layers(findings) -> Explanation:
+    """The target-capture audit measures which layer each of the states' chunks is; chunks that
+    are not the layers the states record were not what training saw."""
+    measured = [f for f in findings if f.check == "target_capture"]
+    named = [f for f in measured if f.cause in STATES_CAUSES]
+    if named:
+        best = min(named, key=lambda f: STATES_CAUSES.index(f.cause))
+        return Explanation(best.cause, True, f"the states are not the layers the draft was trained on: {best.message}",
+                           best.measured)
+    ran = any(f.check == "target_capture" for f in findings) or bool(findings)
+    return Explanation("states_not_from_this_config", False if ran else None,
+                       "the states' chunks measure as the layers they are recorded as" if ran else
+                       "not tested: the target capture was not measured", {})
 
 
 def _tokens_not_greedy(states, continuation) -> Explanation:
