@@ -74,14 +74,16 @@ def test_datagen_reader_reads_the_real_fixture_files():
     from difftest.fixturegen import smollm2
     from difftest.fixturegen.cache import cache_root
 
+    from difftest.fixturegen.default import default_fixture
+
+    default_fixture(progress=False)  # builds it when this test runs first
     p = smollm2.Paths(cache_root() / "smollm2")
-    if not (p.data / "hidden_states" / "hs_0.safetensors").is_file():
-        pytest.skip("SmolLM2 fixture not built (tests/test_default_fixture.py builds it)")
     ids = smollm2.aux_layer_ids(p)
     got = read_datagen(p.data, ids, max_requests=2)
-    convs = json.loads(p.conversations.read_text())
-    assert got.sequences() == [c["input_ids"] for c in convs[:2]]
-    assert got.loss_mask.tolist() == [m for c in convs[:2] for m in c["loss_mask"][1:]]
+    which = json.loads((p.data / "capture.json").read_text())["conversations"][:2]
+    convs = [json.loads(p.conversations.read_text())[i] for i in which]
+    assert got.sequences() == [c["input_ids"] for c in convs]
+    assert got.loss_mask.tolist() == [m for c in convs for m in c["loss_mask"][1:]]
     assert got.aux_hidden_states.shape[1] == len(ids) * 576
 
 

@@ -172,16 +172,20 @@ def capture(p: Paths, progress: Callable[[int, int], None], indices: list[int] |
     for n, i in enumerate(indices):
         st = capture_states(model, [convs[i]["input_ids"]], ids)
         # speculators' datagen layout (hs_connectors FileTransfer): [seq, num_aux + 1, H],
-        # the aux layers in id order, then the verifier's last (pre-norm) state.
+        # the aux layers in id order, then the verifier's last (pre-norm) state. Files are
+        # numbered 0.. over the captured conversations, so a partial capture is a whole
+        # datagen directory of its own; capture.json says which conversation each file is.
         hs = torch.cat([st.aux_hidden_states.view(-1, len(ids), H), st.verifier_last_hidden_states[:, None]], dim=1)
         save_file({"hidden_states": hs.contiguous(), "token_ids": st.input_ids},
-                  str(tmp / "hidden_states" / f"hs_{i}.safetensors"))
+                  str(tmp / "hidden_states" / f"hs_{n}.safetensors"))
         if n % 8 == 0 or n == len(indices) - 1:
             progress(n + 1, len(indices))
+    (tmp / "capture.json").write_text(json.dumps({"conversations": indices}) + "\n")
+    chosen = [convs[i] for i in indices]
     ds = datasets.Dataset.from_dict({
-        "input_ids": [c["input_ids"] for c in convs],
-        "loss_mask": [c["loss_mask"] for c in convs],
-        "seq_len": [len(c["input_ids"]) for c in convs],
+        "input_ids": [c["input_ids"] for c in chosen],
+        "loss_mask": [c["loss_mask"] for c in chosen],
+        "seq_len": [len(c["input_ids"]) for c in chosen],
     })
     ds.set_format("torch")
     ds.save_to_disk(str(tmp / "dataset_tmp"))
@@ -192,6 +196,12 @@ def capture(p: Paths, progress: Callable[[int, int], None], indices: list[int] |
     shutil.rmtree(p.data, ignore_errors=True)
     tmp.rename(p.data)
     return {"aux_layer_ids": ids, "files": len(indices), "of": len(convs)}
+
+
+def captured_file(p: Paths, conversation: int) -> Path:
+    """The datagen file holding one conversation's captured states."""
+    order = json.loads((p.data / "capture.json").read_text())["conversations"]
+    return p.data / "hidden_states" / f"hs_{order.index(conversation)}.safetensors"
 
 
 def vocab(p: Paths) -> dict:
@@ -323,7 +333,7 @@ def heldout_accuracy(p: Paths, draft_dir: Path) -> dict:
     loss_cfg = resolve_loss_config("kl_div", "eager")
     sums: dict[str, float] = {}
     for i in range(start, len(convs)):
-        hs = load_file(str(p.data / "hidden_states" / f"hs_{i}.safetensors"))
+        hs = load_file(str(captured_file(p, i)))
         n = hs["token_ids"].shape[0]
         b = shift_batch({
             "input_ids": hs["token_ids"], "hidden_states": hs["hidden_states"][:, :-1].flatten(1),
@@ -511,7 +521,7 @@ def plan(p: Paths) -> list[BuildStep]:
             target,
             BuildStep("generate", "generate: the target's greedy answers", 95, [p.conversations],
                       lambda say: generate(p, lambda a, b: say(a, b, f"{a}/{b} conversations"))),
-            BuildStep("capture", "capture: aux states, datagen layout", 80, [p.data / "hidden_states", p.data / "state.json"],
+            BuildStep("capture-c2", "capture: aux states, datagen layout", 80, [p.data / "hidden_states", p.data / "state.json", p.data / "capture.json"],
                       lambda say: capture(p, lambda a, b: say(a, b, f"{a}/{b} conversations"))),
             vocab_step,
             BuildStep(f"train-e{epochs}", f"train: speculators' trainer, {epochs} epochs", 60 * epochs + 15, [p.train_out],
@@ -529,7 +539,7 @@ def plan(p: Paths) -> list[BuildStep]:
         target,
         BuildStep("conversations-shipped", "generations: shipped, checksum verified", 1, [p.conversations],
                   lambda say: restore_conversations(p, manifest)),
-        BuildStep("capture-heldout", "capture: held-out aux states", 10, [p.data / "hidden_states", p.data / "state.json"],
+        BuildStep("capture-heldout-c2", "capture: held-out aux states", 10, [p.data / "hidden_states", p.data / "state.json", p.data / "capture.json"],
                   lambda say: capture(p, lambda a, b: say(a, b, f"{a}/{b} conversations"), heldout_indices())),
         vocab_step,
         BuildStep(f"draft-shipped-{sha}", "draft: shipped, trained tensors verified", 3, [p.train_out],
