@@ -328,5 +328,14 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
     ordered = sorted(candidates, key=cost, reverse=True)  # stable: the rules' order breaks ties
     head = ordered[0][0]
     head.ranked = [entry for _, entry in ordered]
+    # Every other error the audit found is listed too, and says plainly that it was not costed.
+    named = {e["cause"] for e in head.ranked}
+    for f in serving_findings:
+        if f.severity is Severity.ERROR and f.cause not in named:
+            named.add(f.cause)
+            head.ranked.append({"cause": f.cause, "found_at": f"audit:{f.check}", "side": "serving",
+                                "cost_accept_length": None,
+                                "how": "not measured on its own: the engines' gap is one figure for every serving "
+                                       "cause, and switching this one off alone is not simulated"})
     head.also = sorted(set(head.also) | {d.cause for d, _ in ordered[1:]})
     return head
