@@ -26,7 +26,8 @@ def test_selftest_on_tiny_catches_every_fault_in_both_dtypes(tiny):
     score = run_selftest("tiny")
     misses = [o.as_dict() for o in score.outcomes if not o.passed]
     assert score.ok, misses
-    assert score.caught == len(score.faults) == sum(len(f.dtypes) for f in FAULTS)
+    # Faults made after training need a training metric, which the random tiny draft has not.
+    assert score.caught == len(score.faults) == sum(len(f.dtypes) for f in FAULTS if not f.after_training)
     assert tree_hash(tiny) == before  # every fault edits scratch copies only
 
 
