@@ -204,7 +204,7 @@ def run(
         accept = compare_acceptance(ref_run.chain, cand_run.chain, inputs.states, inputs.target, training_metrics)
         on_step("acceptance: against training's held-out accuracy")
         findings += check_training_shortfall(accept, ref_run.chain, inputs.checkpoint, inputs.states, training_run,
-                                             findings)
+                                             findings, capture_measured=parity is not None)
     # The headline is the cause that costs the most acceptance, serving divergence or training shortfall.
     diagnosis = rank_by_cost(comparison, findings, accept)
     return RunResult(

@@ -56,7 +56,7 @@ def final_training_checkpoint(run_dir: Path) -> Path:
         return run_dir
     found = [d.parent for d in run_dir.rglob("config.json") if any(d.parent.glob("*.safetensors"))]
     if not found:
-        raise InputError(f"--training-run {run_dir}: no saved checkpoint (config.json with safetensors) under it")
+        raise InputError(f"training run {run_dir}: no saved checkpoint (config.json with safetensors) under it")
 
     def epoch_of(d: Path) -> int:
         digits = "".join(ch for ch in d.name if ch.isdigit())
@@ -98,7 +98,7 @@ STATES_CAUSES = ("aux_layers_wrong_order", "aux_layers_off_by_one", "states_not_
 
 
 def check_training_shortfall(acc, reference_chain, checkpoint, states, training_run: Path | None = None,
-                             findings: list[Finding] = ()) -> list[Finding]:
+                             findings: list[Finding] = (), capture_measured: bool = False) -> list[Finding]:
     """An ERROR finding when the reference engine's predicted step-1 acceptance is below
     training's full_acc_0 band, with every explanation that can be tested, tested."""
     training = acc.training or {}
@@ -119,7 +119,7 @@ def check_training_shortfall(acc, reference_chain, checkpoint, states, training_
     continuation, rows = acc.continuation, acc.rows
     explanations = [
         # Most specific first: a map out of step is also a changed checkpoint, and says more.
-        _states_not_trained_layers(findings),
+        _states_not_trained_layers(findings, capture_measured),
         _tokens_not_greedy(states, continuation),
         _vocab_map_out_of_step(reference_chain, checkpoint, continuation, rows),
         _changed_after_training(checkpoint, training_run),
@@ -139,19 +139,18 @@ def check_training_shortfall(acc, reference_chain, checkpoint, states, training_
     return [Finding(CHECK, cause, Severity.ERROR, message, measured)]
 
 
-def _states_not_trained_layers(findings) -> Explanation:
+def _states_not_trained_layers(findings, capture_measured: bool) -> Explanation:
     """The target-capture audit measures which layer each of the states' chunks is; chunks that
     are not the layers the states record were not what training saw."""
-    measured = [f for f in findings if f.check == "target_capture"]
-    named = [f for f in measured if f.cause in STATES_CAUSES]
-    if named:
-        best = min(named, key=lambda f: STATES_CAUSES.index(f.cause))
-        return Explanation(best.cause, True, f"the states are not the layers the draft was trained on: {best.message}",
-                           best.measured)
-    ran = any(f.check == "target_capture" for f in findings) or bool(findings)
-    return Explanation("states_not_from_this_config", False if ran else None,
-                       "the states' chunks measure as the layers they are recorded as" if ran else
-                       "not tested: the target capture was not measured", {})
+    if not capture_measured:
+        return Explanation("states_not_from_this_config", None, "not tested: the target capture was not measured", {})
+    named = [f for f in findings if f.check == "target_capture" and f.cause in STATES_CAUSES]
+    if not named:
+        return Explanation("states_not_from_this_config", False,
+                           "the states' chunks measure as the layers they are recorded as", {})
+    best = min(named, key=lambda f: STATES_CAUSES.index(f.cause))
+    return Explanation(best.cause, True, f"the states are not the layers the draft was trained on: {best.message}",
+                       best.measured)
 
 
 def _tokens_not_greedy(states, continuation) -> Explanation:

@@ -298,15 +298,9 @@ def train(p: Paths, progress: Callable[[int, int, str], None], epochs: int | Non
 
 
 def _final_checkpoint(train_out: Path) -> Path:
-    dirs = [d for d in train_out.rglob("config.json") if (d.parent / "model.safetensors").is_file()]
-    if not dirs:
-        raise RuntimeError(f"the trainer left no checkpoint under {train_out}")
+    from difftest.audit.shortfall import final_training_checkpoint
 
-    def epoch_of(d: Path) -> int:
-        digits = "".join(ch for ch in d.parent.name if ch.isdigit())
-        return int(digits) if digits else -1
-
-    return max((d.parent for d in dirs if not d.parent.is_symlink()), key=lambda d: (epoch_of(d), d.stat().st_mtime))
+    return final_training_checkpoint(train_out)
 
 
 def heldout_conversations(p: Paths) -> list[dict]:
