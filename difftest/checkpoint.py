@@ -120,8 +120,9 @@ def spec_from_config(config: dict[str, Any], fmt: CheckpointFormat) -> DraftSpec
             hidden_act=str(layer.get("hidden_act", "silu")),
             max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
         )
-    # AttributeError: a list where an object belongs; OverflowError: Infinity where an integer belongs
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+    # AttributeError: a list where an object belongs; OverflowError: Infinity where an integer belongs;
+    # ZeroDivisionError: zero heads and no head_dim
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, ZeroDivisionError) as exc:
         raise InputError(f"config.json is missing or has a malformed field: {exc!r}") from None
 
 
@@ -135,6 +136,8 @@ class Checkpoint:
     # Where the user's checkpoint is, when `path` is a scratch safetensors copy of pickled weights.
     source: Path | None = None
     _scratch: Any = field(repr=False, default=None)  # keeps that copy alive as long as the checkpoint
+    # Weight files in the directory that neither engine reads (not in the index): noted, not loaded.
+    ignored_files: list[str] = field(default_factory=list)
 
     @property
     def origin(self) -> Path:
@@ -143,6 +146,12 @@ class Checkpoint:
     def shape(self, name: str) -> torch.Size:
         with safe_open(str(self._files[name]), framework="pt", device="cpu") as f:
             return torch.Size(f.get_slice(name).get_shape())
+
+    def weight_files(self) -> list[Path]:
+        """What an engine reads from the directory: the weight files in use, and their index."""
+        used = list(dict.fromkeys(self._files.values()))
+        index = self.path / INDEX_FILE
+        return used + ([index] if index.is_file() else [])
 
     def tensor_names(self) -> list[str]:
         return list(self._files)
@@ -193,23 +202,68 @@ def _pickles(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
 
 
-def _index_tensors(path: Path) -> dict[str, Path]:
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def _keys(file: Path) -> list[str]:
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            return list(f.keys())
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise InputError(f"{file}: not a readable safetensors file ({exc})") from None
+
+
+def _shards_from_index(path: Path, files: list[Path]) -> tuple[list[Path], dict[str, str]]:
+    """The files an index names, as transformers and SGLang's loader follow it: every one must
+    exist and hold the tensors mapped to it."""
+    index = path / INDEX_FILE
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise InputError(f"{index}: not a readable index ({exc})") from None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise InputError(f"{index}: expected a non-empty weight_map of tensor name -> shard file name")
+    shards = []
+    for name in dict.fromkeys(weight_map.values()):
+        shard = path / name
+        if Path(name).name != name or not shard.is_file():
+            raise InputError(f"{index}: names shard {name!r}, which is not a file in {path}")
+        shards.append(shard)
+    return shards, weight_map
+
+
+def _index_tensors(path: Path) -> tuple[dict[str, Path], list[str]]:
+    """Tensor name -> file, and the weight files present but not read (a visible note, never an
+    input). With an index, its shards; without one, model.safetensors when present (what
+    transformers reads), else the only weight file."""
     files = sorted(path.glob("*.safetensors"))
-    if not files:
+    if (path / INDEX_FILE).is_file():
+        shards, weight_map = _shards_from_index(path, files)
+    elif not files:
         pickles = _pickles(path)
         if pickles:
             raise InputError(f"{path}: weights are pickle files ({', '.join(p.name for p in pickles[:3])}); refusing to "
                              "unpickle them; convert to safetensors or pass --allow-pickle (loads with weights_only=True)")
         raise InputError(f"{path}: no *.safetensors weights found (expected model.safetensors)")
+    elif (path / SINGLE_FILE).is_file() or len(files) == 1:
+        shards, weight_map = [path / SINGLE_FILE if (path / SINGLE_FILE).is_file() else files[0]], {}
+    else:
+        raise InputError(f"{path}: {len(files)} weight files ({', '.join(f.name for f in files[:4])}) and no "
+                         f"{INDEX_FILE} saying which to read; add the index, or keep only {SINGLE_FILE}")
     names: dict[str, Path] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    names[key] = file
-        except Exception as exc:  # safetensors raises its own error types for corrupt headers
-            raise InputError(f"{file}: not a readable safetensors file ({exc})") from None
-    return names
+    for shard in shards:
+        for key in _keys(shard):
+            if key in names:
+                raise InputError(f"{path}: tensor {key} is stored in both {names[key].name} and {shard.name}; "
+                                 "which copy an engine loads depends on its file order")
+            names[key] = shard
+    for key, name in weight_map.items():
+        if names.get(key) != path / name:
+            raise InputError(f"{path / INDEX_FILE}: maps {key} to {name}, which does not hold it")
+    ignored = [f.name for f in files if f not in shards]
+    return names, ignored
 
 
 def _safetensors_copy_of_pickles(path: Path):
@@ -255,6 +309,7 @@ def load_checkpoint(path: str | Path, allow_pickle: bool = False) -> Checkpoint:
     if allow_pickle and not any(path.glob("*.safetensors")) and _pickles(path):
         scratch = _safetensors_copy_of_pickles(path)
         copy = Path(scratch.name)
-        return Checkpoint(path=copy, format=fmt, config=config, spec=spec, _files=_index_tensors(copy),
+        return Checkpoint(path=copy, format=fmt, config=config, spec=spec, _files=_index_tensors(copy)[0],
                           source=path, _scratch=scratch)
-    return Checkpoint(path=path, format=fmt, config=config, spec=spec, _files=_index_tensors(path))
+    files, ignored = _index_tensors(path)
+    return Checkpoint(path=path, format=fmt, config=config, spec=spec, _files=files, ignored_files=ignored)

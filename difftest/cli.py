@@ -15,6 +15,8 @@ from difftest.errors import InputError
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
 EXIT_PARITY, EXIT_DIVERGED, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+# What a shell reports for a process stopped by SIGINT (128 + 2).
+EXIT_INTERRUPTED = 130
 # One default-fixture report on a 2-core host, for the progress estimate (benchmarks/first_run.py).
 REPORT_ESTIMATE_S = 45.0
 
@@ -87,12 +89,20 @@ def report(
     training_metrics: Optional[Path] = typer.Option(None, help="JSON with speculators' held-out full_acc_0.. (shown next to the predictions)"),
     training_run: Optional[Path] = typer.Option(None, help="the training run's output directory (or its saved checkpoint): "
                                                 "when acceptance falls below training's, the checkpoint is compared with it"),
+    serve: Optional[Path] = typer.Option(None, help="the served draft directory, exactly as deployed (needs --launch or --launch-file)"),
+    launch: Optional[str] = typer.Option(None, help="the SGLang launch command that serves it, as one string"),
+    launch_file: Optional[Path] = typer.Option(None, help="a file holding the launch command (relative paths in it resolve against its directory)"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="print only the verdict line"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="show engine logs and tracebacks"),
 ) -> None:
     """Run both engines on the same captured states and report parity probe by probe."""
     quiet_engines(verbose)
     from difftest.engines.base import ServingSetup
+
+    try:
+        deployment = read_deployment(serve, launch, launch_file)
+    except InputError as exc:
+        fail(str(exc))
 
     torch_dtype = parse_dtype(dtype)
     if device.split(":")[0] not in ("cpu", "cuda"):
@@ -105,12 +115,16 @@ def report(
                  f"(torch.cuda.is_available() is false); run on cpu or on a machine with an NVIDIA GPU")
     if not 0 <= chain_steps <= 16:
         fail(f"--chain-steps must be between 0 and 16, got {chain_steps}")
+    if max_tokens is not None and max_tokens < 1:
+        fail(f"--max-tokens must be at least 1, got {max_tokens}")
+    from difftest.outputs import output_dir
     from difftest.progress import PlannedStep, Tracker
 
     # One display for the whole run: the fixture build (when it is the default one) and each report.
     tracker = Tracker(not quiet)
+    inputs = (checkpoint, target, states, serve, launch_file, training_run, training_metrics, baseline)
     try:
-        with tracker.live():
+        with output_dir(out, inputs), tracker.live():
             jobs: list[tuple[Path, Path]] = []
             extra: dict = {}
             if checkpoint is None:
@@ -118,11 +132,13 @@ def report(
 
                 from difftest.fixturegen.default import default_fixture
 
-                tracker.extend([PlannedStep("report:speculators", "report (speculators format)", REPORT_ESTIMATE_S),
-                                PlannedStep("report:legacy", "report (legacy format)", REPORT_ESTIMATE_S)])
+                tracker.extend([PlannedStep("report:speculators", "report (speculators format)", REPORT_ESTIMATE_S)])
                 fx = default_fixture(tracker=tracker)
                 target, states = target or fx.target, states or fx.states
-                jobs = [(fx.checkpoint, out), (fx.legacy, out / "legacy")]
+                # The training checkpoint as trained, against the fixture's deployment: the
+                # directory `difftest convert` writes for it and the launch command it prints.
+                jobs = [(fx.checkpoint, out)]
+                deployment = deployment or read_deployment(fx.served, None, fx.launch)
                 if fx.training and fx.training.is_file():
                     extra["training"] = json.loads(fx.training.read_text())
                 training_run = training_run or fx.training_run
@@ -145,7 +161,11 @@ def report(
                 if not baseline_factor >= 1.0:
                     fail(f"--baseline-factor must be at least 1, got {baseline_factor}")
                 old_report = load_baseline(baseline)
-            serving = ServingSetup(aux_capture=not serve_without_aux_capture, lm_head_from_target=serve_lm_head_from_target)
+            if deployment is not None and (serve_without_aux_capture or serve_lm_head_from_target):
+                fail("--serve-without-aux-capture and --serve-lm-head-from-target simulate a deployment; with --serve "
+                     "the launch command decides both")
+            serving = ServingSetup(aux_capture=not serve_without_aux_capture, lm_head_from_target=serve_lm_head_from_target,
+                                   deployment=deployment)
             codes = []
             for ckpt, out_dir in jobs:
                 base = {"report": old_report, "path": str(baseline), "factor": baseline_factor} if old_report else None
@@ -172,6 +192,39 @@ def report(
             raise
         fail(f"internal error: {type(exc).__name__}: {exc} (rerun with -v for the traceback)", EXIT_INTERNAL)
     raise typer.Exit(max(codes))
+
+
+def read_deployment(serve: Path | None, launch: str | None, launch_file: Path | None):
+    """--serve with its launch command. The command is split as a shell would and handed,
+    unread, to the serving engine's adapter: its own parser is the only one that reads it."""
+    import shlex
+
+    from difftest.engines.base import Deployment
+
+    if serve is None:
+        if launch is not None or launch_file is not None:
+            raise InputError("--launch/--launch-file describe how --serve DIR is served; give --serve too")
+        return None
+    if (launch is None) == (launch_file is None):
+        raise InputError("--serve needs exactly one of --launch \"python -m sglang.launch_server ...\" or --launch-file FILE")
+    if not serve.is_dir():
+        raise InputError(f"--serve {serve}: not a directory")
+    if not (serve / "config.json").is_file():
+        raise InputError(f"--serve {serve}: no config.json (a served draft directory holds the config SGLang reads)")
+    if launch_file is not None:
+        try:
+            text, base, source = launch_file.read_text(), launch_file.resolve().parent, f"--launch-file {launch_file}"
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"--launch-file {launch_file}: cannot read it ({exc})") from None
+    else:
+        text, base, source = launch, Path.cwd(), "--launch"
+    try:
+        argv = shlex.split(text.replace("\\\n", " "), comments=True)
+    except ValueError as exc:
+        raise InputError(f"{source}: cannot split the command as a shell would ({exc})") from None
+    if not argv:
+        raise InputError(f"{source}: empty launch command")
+    return Deployment(serve.resolve(), tuple(argv), base, source)
 
 
 def _read_training_metrics(path: Path) -> dict:
@@ -212,6 +265,90 @@ def _report_one(ckpt, target, states, dtype, device, out_dir, max_tokens, servin
     return rep, paths
 
 
+# Divergences no conversion can remove: the serving engine does not implement what the draft
+# was trained with. Each names the choices the user has.
+NOT_REMOVABLE_BY_CONVERSION = {
+    "norm_before_residual_ignored": ("SGLang 0.5.23 does not implement norm_before_residual, so no served config "
+                                     "can express it. Choices: retrain with norm_before_residual=false; or serve "
+                                     "on an engine that honors it; or accept the gap the report measures."),
+}
+
+
+@app.command()
+def convert(
+    checkpoint: Path = typer.Argument(..., help="the training checkpoint (speculators or legacy format); never written to"),
+    out: Path = typer.Argument(..., help="the served directory to write (must not exist, or be empty)"),
+    target: Optional[Path] = typer.Option(None, help="HF target model dir (default: as `difftest report` finds it)"),
+    states: Optional[Path] = typer.Option(None, help="captured hidden states for the parity report (default: as `report` finds them)"),
+    reports: Path = typer.Option(Path("reports/convert"), help="where the parity report on the output goes"),
+    quiet: bool = typer.Option(False, "-q", "--quiet", help="print only the launch command and the verdict line"),
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="show engine logs and tracebacks"),
+) -> None:
+    """Write an SGLang-ready directory, print the command that serves it, then prove parity on what was written."""
+    quiet_engines(verbose)
+    from difftest.outputs import output_dir
+
+    try:
+        with output_dir(reports, (checkpoint, target, states, out), flag="--reports"):
+            rep, paths = _convert(checkpoint, out, target, states, reports, quiet)
+    except InputError as exc:
+        fail(str(exc))
+    except typer.Exit:
+        raise
+    except Exception as exc:
+        if verbose:
+            raise
+        fail(f"internal error: {type(exc).__name__}: {exc} (rerun with -v for the traceback)", EXIT_INTERNAL)
+    from difftest.report.build import verdict_line
+
+    typer.echo(verdict_line(rep))
+    if not quiet:
+        typer.echo(f"wrote {paths['json']}, {paths['md']} and {paths['html']}")
+    if rep["verdict"] == "PARITY":
+        typer.echo(f"parity proven on {out}: serve it with the command above")
+        raise typer.Exit(EXIT_PARITY)
+    cause = (rep.get("diagnosis") or {}).get("cause")
+    if cause in NOT_REMOVABLE_BY_CONVERSION:
+        typer.echo(f"not removable by conversion: {cause}. {NOT_REMOVABLE_BY_CONVERSION[cause]}")
+    raise typer.Exit(EXIT_DIVERGED)
+
+
+def _convert(checkpoint: Path, out: Path, target, states, reports: Path, quiet: bool):
+    import shlex
+    import time
+
+    from difftest import convert as conversion
+    from difftest import pipeline
+    from difftest.checkpoint import load_checkpoint
+    from difftest.engines.base import Deployment, ServingSetup
+    from difftest.outputs import refuse_inside_inputs
+    from difftest.progress import Tracker
+    from difftest.validate import validate_checkpoint
+
+    refuse_inside_inputs(out, (checkpoint, target, states), flag="OUT")
+    dest = out.resolve()
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise InputError(f"{out}: already exists and is not an empty directory; choose a new path")
+    ckpt = load_checkpoint(checkpoint)
+    validate_checkpoint(ckpt)
+    target_path = pipeline.resolve_target_path(ckpt, target)
+    if dest.exists():
+        dest.rmdir()  # empty: the atomic rename below needs the name free
+    t0 = time.perf_counter()
+    try:
+        conversion.served_copy(ckpt, dest)
+    except OSError as exc:
+        raise InputError(f"{out}: cannot write the served directory ({exc.strerror or exc})") from None
+    argv = conversion.launch_command(str(dest), str(target_path), ckpt.stored_dtype())
+    typer.echo(f"wrote {out} in {time.perf_counter() - t0:.1f}s; serve it with:\n  {shlex.join(argv)}")
+    deployment = Deployment(dest, tuple(argv), Path.cwd(), "difftest convert's launch command")
+    tracker = Tracker(not quiet)
+    with tracker.live():
+        return _report_one(checkpoint, target_path, states, None, "cpu", reports, None,
+                           ServingSetup(deployment=deployment), {}, True, False, None, tracker,
+                           {"chain_steps": 4, "measure_target_capture": True})
+
+
 @app.command()
 def selftest(
     fixture: str = typer.Option("all", help="tiny | default (the SmolLM2 draft) | all"),
@@ -239,14 +376,19 @@ def selftest(
     from difftest.selftest import run_selftest, write_selftest
 
     console = Console(stderr=True, quiet=quiet)
-    try:
-        def show(o) -> None:
-            mark = "[green]pass[/]" if o.passed else "[red]FAIL[/]"
-            console.print(f"{mark} {o.fixture} {o.dtype} {o.fault}: expected {o.expected_at} / {o.expected_cause}, "
-                          f"found {o.found_at} / {o.found_cause} ({o.seconds:.1f}s)", highlight=False)
+    from difftest.outputs import output_dir
 
-        score = run_selftest(fixture, dtypes=dtype, only=fault, on_outcome=show)
-        paths = write_selftest(score, out)
+    def show(o) -> None:
+        mark = "[green]pass[/]" if o.passed else "[red]FAIL[/]"
+        console.print(f"{mark} {o.fixture} {o.dtype} {o.fault}: expected {o.expected_at} / {o.expected_cause}, "
+                      f"found {o.found_at} / {o.found_cause} ({o.seconds:.1f}s)", highlight=False)
+
+    try:
+        with output_dir(out, owned=("selftest.json", "selftest.md")):
+            score = run_selftest(fixture, dtypes=dtype, only=fault, on_outcome=show)
+            paths = write_selftest(score, out)
+    except InputError as exc:
+        fail(str(exc))
     except typer.Exit:
         raise
     except Exception as exc:
@@ -286,8 +428,10 @@ def fuzz(
     from difftest.progress import steps
     from difftest.report.build import atomic_write
 
+    from difftest.outputs import output_dir
+
     try:
-        with steps(not quiet, "difftest fuzz") as step:
+        with output_dir(out, owned=("fuzz.json",)), steps(not quiet, "difftest fuzz") as step:
             count = [0]
 
             def seen(o) -> None:
@@ -300,6 +444,8 @@ def fuzz(
                 minimal = fz.shrink(sig, budget=shrink_budget, seed=seed, dtype=dtype)
                 if minimal is not None:
                     summary.minimal[sig] = minimal
+    except InputError as exc:
+        fail(str(exc))
     except Exception as exc:
         if verbose:
             raise
@@ -339,6 +485,13 @@ def build_fixtures(
         fail("--from-scratch and --ship apply to the default fixture only")
     if ship and not from_scratch:
         fail("--ship writes a from-scratch build; add --from-scratch")
+    if out is not None:
+        from difftest.outputs import check_writable
+
+        try:
+            check_writable(out)
+        except InputError as exc:
+            fail(str(exc))
     if which == "tiny":
         from difftest.fixturegen import tiny
 
@@ -368,7 +521,30 @@ def build_fixtures(
 
 
 def main() -> None:
-    app()
+    """Usage errors are one line, like every other bad input; an interrupt says so."""
+    try:  # typer 0.29 vendors click as typer._click; earlier releases raise click's own
+        from typer._click import exceptions as cli_errors
+    except ImportError:
+        from click import exceptions as cli_errors
+
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(standalone_mode=False)
+    except cli_errors.NoArgsIsHelpError as exc:
+        typer.echo(exc.ctx.get_help())
+        code = EXIT_INPUT
+    except cli_errors.UsageError as exc:
+        where = f"{exc.ctx.command_path}: " if exc.ctx is not None else ""
+        hint = f" (see {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+        message = " ".join(exc.format_message().split())
+        typer.echo(f"difftest: error: {where}{message}{hint}", err=True)
+        code = EXIT_INPUT
+    except cli_errors.Abort:
+        code = EXIT_INTERRUPTED
+    if code == EXIT_INTERRUPTED:
+        # Every output is written atomically: an interrupted run leaves no partial file behind.
+        typer.echo("difftest: interrupted; nothing partial was written", err=True)
+    sys.exit(code or 0)
 
 
 if __name__ == "__main__":

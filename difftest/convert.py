@@ -30,7 +30,11 @@ LEGACY_LAYER_PREFIX = "midlayer."
 # the capture audit measures the shift from SGLang's own code, and a test holds this to it.
 LEGACY_AUX_ID_SHIFT = 1
 # Bump when converted output changes, so cached conversions are rebuilt.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
+# What a launch command writes for each stored dtype (SGLang's --dtype names).
+DTYPE_FLAG = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# The draft chain SGLang's EAGLE worker runs by default for a one-layer EAGLE-3 draft, topk 1.
+SERVED_NUM_STEPS = 3
 SPECULATORS_LAYER_PREFIX = "layers.0."
 
 
@@ -108,9 +112,13 @@ def _write(out_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Non
     tmp = out_dir.with_name(out_dir.name + ".partial")
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+    try:
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves nothing behind
+        raise
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
@@ -121,8 +129,29 @@ def speculators_to_legacy(src: str | Path | Checkpoint, out_dir: str | Path) -> 
     if ckpt.format is not CheckpointFormat.SPECULATORS:
         raise ValueError(f"{ckpt.path} is already in {ckpt.format.value} format")
     conv = legacy_config(ckpt.config)
+    # SGLang's --dtype auto reads this; without it an fp32 draft would be served in fp16.
+    conv.config["torch_dtype"] = DTYPE_FLAG.get(ckpt.stored_dtype(), "float32")
     _write(Path(out_dir), conv.config, {legacy_name(k): v for k, v in ckpt.tensors()})
     return conv
+
+
+def served_copy(src: Checkpoint, out_dir: Path) -> Conversion:
+    """What `difftest convert` writes for SGLang: the legacy layout, from either format."""
+    if src.format is CheckpointFormat.SPECULATORS:
+        return speculators_to_legacy(src, out_dir)
+    cfg = copy.deepcopy(src.config)
+    cfg.setdefault("torch_dtype", DTYPE_FLAG.get(src.stored_dtype(), "float32"))
+    _write(out_dir, cfg, dict(src.tensors()))
+    return Conversion(cfg, {"format": "already legacy: copied"})
+
+
+def launch_command(served_dir: str, target: str, dtype: torch.dtype, steps: int = SERVED_NUM_STEPS) -> list[str]:
+    """The SGLang command that serves a converted draft as it was trained: EAGLE3 (aux
+    capture on), a topk-1 chain, the draft's stored dtype."""
+    return ["python", "-m", "sglang.launch_server", "--model-path", target,
+            "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", served_dir,
+            "--speculative-num-steps", str(steps), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(steps + 1), "--dtype", DTYPE_FLAG.get(dtype, "float32")]
 
 
 def legacy_to_speculators(src: str | Path | Checkpoint, out_dir: str | Path, verifier_path: str | None = None) -> None:

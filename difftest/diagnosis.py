@@ -41,6 +41,16 @@ class Rule:
 D2T_FIX = "Store d2t as offsets, target = draft + d2t[draft], with t2d the boolean mask of the same ids; rebuild both from the training vocab mapping."
 
 RULES: tuple[Rule, ...] = (
+    # The launch command decides the rest of the wiring, so it is named before what it causes.
+    Rule("speculative_algorithm_not_eagle3", findings=("speculative_algorithm_not_eagle3",),
+         explanation=("The launch command serves an EAGLE-3 draft with --speculative-algorithm EAGLE. SGLang then "
+                      "resolves no aux hidden-state capture (the draft gets the target's last state, and fc is skipped "
+                      "by the width check) and its EAGLE worker replaces the draft's own head with the target's "
+                      "(set_embed_and_head). Nothing fails; acceptance collapses."),
+         fix="Launch with --speculative-algorithm EAGLE3."),
+    Rule("speculative_token_map_differs", findings=("speculative_token_map_differs",),
+         explanation="The worker reads draft ids through --speculative-token-map, which is not the map the draft was trained with.",
+         fix="Drop --speculative-token-map and launch with --speculative-algorithm EAGLE3: the served d2t is then used."),
     # The config translation comes first: a lost flag also drops the keys of the module it would build.
     Rule("lm_head_replaced_by_target", findings=("lm_head_from_target",),
          explanation=("The serving worker replaced the draft's own draft-vocab head with the target's full-vocab head "
@@ -60,6 +70,16 @@ RULES: tuple[Rule, ...] = (
     Rule("config_flag_not_carried", findings=("config_flag_not_carried", "sliding_window_ignored"),
          explanation="A config field that changes the draft's forward did not reach, or is not honored by, the serving engine.",
          fix="Carry the field named in the audit findings into the serving config (and check the serving engine reads it)."),
+    Rule("duplicate_tensor_copies", findings=("duplicate_tensor_copies",),
+         explanation=("The checkpoint stores some parameters twice, under both formats' names (`midlayer.*` and "
+                      "`layers.0.*`), with different values. Each engine maps both names onto one parameter, so the copy "
+                      "it loads is whichever comes last in its key order, and the engines need not pick the same one."),
+         fix="Keep one copy of each parameter: the names of the format the checkpoint declares."),
+    Rule("token_map_from_other_tensor", findings=("token_map_from_other_tensor",),
+         explanation=("SGLang's load_weights takes every tensor whose name contains 'd2t' as the token map "
+                      "(hot_token_id), the last one winning; here a tensor other than d2t set it, so SGLang maps "
+                      "draft ids with other offsets than speculators, which reads d2t."),
+         fix="Remove or rename the other tensors whose names contain 'd2t'; keep only d2t."),
     Rule("keys_dropped", findings=("keys_dropped",),
          explanation=("The serving engine skipped checkpoint tensors whose names it does not know, without a word "
                       "(SGLang's load_weights ignores unknown names), so the parameters they were meant for stayed at "
@@ -128,6 +148,14 @@ RULES: tuple[Rule, ...] = (
     Rule("d2t_missing", findings=("d2t_missing", "t2d_bad_shape", "t2d_bad_count"),
          explanation="The draft vocab is smaller than the target's but there is no usable mapping, so draft ids are read as target ids.",
          fix=D2T_FIX),
+    Rule("served_tensor_changed", findings=("served_tensor_changed", "served_tensor_missing"),
+         explanation=("The served directory does not hold the tensors training saved: one is changed (beyond a cast) "
+                      "or missing, so the served draft computes with other weights than the trained one."),
+         fix="Re-convert the training checkpoint (difftest convert TRAIN_CKPT OUT) instead of editing the served copy."),
+    Rule("served_dtype_differs", findings=("served_dtype_differs",),
+         explanation=("The launch command runs the draft at another precision than the checkpoint training saved "
+                      "(--dtype, or auto resolved from the served config: an fp32 config is served in fp16)."),
+         fix="Launch with --dtype set to the checkpoint's dtype (difftest convert prints it)."),
     Rule("shipped_embedding_replaced", findings=("shipped_embedding_replaced",), probes=("embed",),
          explanation=("The checkpoint ships an embedding of its own, not the target's. One engine uses the shipped "
                       "tensor, the other replaces it with the target's embedding (SGLang's EAGLE worker calls "
@@ -260,6 +288,24 @@ def _precision_only_first(comparison: Comparison, serving: Diagnosis | None) -> 
     return own
 
 
+def _probe_owned_by_other_cause(comparison: Comparison, serving: Diagnosis | None,
+                                findings: list[Finding]) -> Diagnosis | None:
+    """The diagnosis the first divergent probe belongs to, when the headline is a different
+    cause found by the audit alone and that probe's own cause is evidenced by a finding too:
+    two causes, each at its own place (an off-by-one capture is not found at the residual
+    that norm_before_residual changes)."""
+    first = comparison.first_divergence
+    if serving is None or first is None or serving.probe != first.probe or not serving.evidence:
+        return None
+    if first.probe in {p for r in RULES if r.cause == serving.cause for p in r.probes}:
+        return None
+    own_rule = CAUSES[serving.cause]
+    other = diagnose(comparison, [f for f in findings if f.cause not in own_rule.findings])
+    if other is None or other.cause == serving.cause or not other.evidence:
+        return None
+    return other if first.probe in {p for r in RULES if r.cause == other.cause for p in r.probes} else None
+
+
 def _home_probe(cause: str, comparison: Comparison) -> str | None:
     """The first divergent probe where this cause's own probe rule looks, if any fails there."""
     homes = {p for r in RULES if r.cause == cause for p in r.probes}
@@ -285,7 +331,8 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
     serving_findings = [f for f in findings if f not in shortfall]
     serving = diagnose(comparison, serving_findings)
     candidates: list[tuple[Diagnosis, dict]] = []
-    precision = _precision_only_first(comparison, serving)
+    precision = _precision_only_first(comparison, serving) or _probe_owned_by_other_cause(comparison, serving,
+                                                                                          serving_findings)
     if precision is not None:
         # The first divergent probe differs by rounding alone, and the real cause (a finding)
         # lives further down: each is reported at its own place, never one at the other's.
@@ -302,10 +349,11 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
                 entry["how"] += f": costs nothing measurable (within ±{acceptance.tolerance})"
         candidates.append((serving, entry))
     if precision is not None:
+        how = ("rounding only: not separable from the serving gap; compare at the checkpoint's dtype (--dtype auto) "
+               "to remove it") if precision.cause == "embedding_precision" else (
+               "not measured on its own: the engines' gap is one figure for every serving cause")
         candidates.append((precision, {"cause": precision.cause, "found_at": precision.found_at, "side": "serving",
-                                       "cost_accept_length": None,
-                                       "how": "rounding only: not separable from the serving gap; compare at the "
-                                              "checkpoint's dtype (--dtype auto) to remove it"}))
+                                       "cost_accept_length": None, "how": how}))
     if shortfall:
         found = shortfall[0]
         short = diagnose(Comparison([]), [found])

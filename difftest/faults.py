@@ -35,6 +35,8 @@ class Workspace:
     target: Path
     serving: ServingSetup = field(default_factory=ServingSetup)
     run_dtype: torch.dtype = torch.float32
+    served: Path | None = None  # the served copy, for deployment faults
+    launch: list[str] = field(default_factory=list)
 
     @classmethod
     def copy_of(cls, checkpoint: Path, states: CapturedStates, target: Path, root: Path, dtype: torch.dtype) -> "Workspace":
@@ -73,6 +75,36 @@ class Workspace:
     def serve_config_edit(self, path: str, value) -> None:
         self.serving = replace(self.serving, config_edits=self.serving.config_edits + ((path, value),))
 
+    def deploy(self) -> None:
+        """A served copy made the way `difftest convert` makes one, and the launch command it
+        prints; deployment faults then edit these, never the training checkpoint."""
+        from difftest.convert import launch_command, served_copy
+
+        self.served = self.root / "served"
+        served_copy(self.ckpt(), self.served)
+        self.launch = launch_command(str(self.served), str(self.target), self.run_dtype)
+
+    def deployment(self) -> ServingSetup:
+        from difftest.engines.base import Deployment
+
+        return replace(self.serving, deployment=Deployment(self.served, tuple(self.launch), self.root, "fault launch"))
+
+    def edit_served_config(self, edit: Callable[[dict], None]) -> None:
+        cfg = json.loads((self.served / "config.json").read_text())
+        edit(cfg)
+        (self.served / "config.json").write_text(json.dumps(cfg, indent=2))
+
+    def edit_served_tensors(self, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+        tensors = dict(load_checkpoint(self.served).tensors())
+        edit(tensors)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.served / "model.safetensors"))
+
+    def set_launch_flag(self, flag: str, value: str) -> None:
+        if flag in self.launch:
+            self.launch[self.launch.index(flag) + 1] = value
+        else:
+            self.launch += [flag, value]
+
     def states_file(self) -> Path:
         path = self.root / "states.safetensors"
         save_states(self.states, path)
@@ -92,6 +124,12 @@ class Fault:
     # training run's own metric can expose it, so it runs on a fixture that has one, with
     # chains drafted, on the draft as trained (no baseline edits).
     after_training: bool = False
+    # Applied to a served copy (what `difftest convert` writes) or to its launch command, and
+    # run through --serve: the training checkpoint stays as trained.
+    deployed: bool = False
+    # Caught by an informational finding: what the fault does is harmless to the draft's
+    # computation, and the report must say so without a false verdict.
+    notice_only: bool = False
 
 
 def _d2t(edit: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Workspace], None]:
@@ -184,6 +222,39 @@ def _fc_sign_flipped(ws: Workspace) -> None:
     ws.edit_tensors(lambda t: t.__setitem__("fc.weight", -t["fc.weight"]))
 
 
+def _served_keys_renamed(ws: Workspace) -> None:
+    ws.edit_served_tensors(lambda t: t.update({k.replace("midlayer.", "layers.1."): t.pop(k) for k in list(t)
+                                              if k.startswith("midlayer.")}))
+
+
+def _served_d2t_arange_subtracted(ws: Workspace) -> None:
+    ws.edit_served_tensors(lambda t: t.__setitem__("d2t", _arange_subtracted(t["d2t"])))
+
+
+def _served_aux_ids_verbatim(ws: Workspace) -> None:
+    trained = ws.config()["eagle_aux_hidden_state_layer_ids"]
+    ws.edit_served_config(lambda c: c["eagle_config"].__setitem__("eagle_aux_hidden_state_layer_ids", list(trained)))
+
+
+def _served_norm_flag_missing(ws: Workspace) -> None:
+    ws.edit_config(lambda c: c.update(norm_before_fc=True, fc_norm=False))
+    ws.deploy()  # the served copy of the draft as trained, then the flag lost by hand
+    ws.edit_served_config(lambda c: (c.pop("norm_before_fc", None), c.get("eagle_config", {}).pop("norm_before_fc", None)))
+
+
+def _served_token_map(ws: Workspace) -> None:
+    """A token map built from other data: valid target ids, not the trained draft vocab."""
+    d2t = load_checkpoint(ws.served).get("d2t").long()
+    hot = (d2t + torch.arange(d2t.numel())).flip(0)
+    path = ws.root / "token_map.pt"
+    torch.save(hot.tolist(), path)
+    ws.set_launch_flag("--speculative-token-map", str(path))
+
+
+def _served_other_dtype(ws: Workspace) -> None:
+    ws.set_launch_flag("--dtype", "bfloat16" if ws.run_dtype == torch.float32 else "float32")
+
+
 FAULTS: tuple[Fault, ...] = (
     # sglang 0.5.23 maps both midlayer.* and layers.0.* itself; a name it has no rule for
     # (here a 1-based layer index from a converter) is what it still drops without a word.
@@ -224,6 +295,25 @@ FAULTS: tuple[Fault, ...] = (
           "audit:acceptance", "vocab_map_out_of_step", _regenerated_vocab_map, dtypes=("bf16",), after_training=True),
     Fault("fc_edited_after_training", "a weight edited after training (fc's sign flipped by a bad conversion)",
           "audit:acceptance", "checkpoint_changed_after_training", _fc_sign_flipped, dtypes=("bf16",), after_training=True),
+    # Deployment: a served copy or a launch command gone wrong, the training checkpoint as trained.
+    Fault("served_keys_renamed_by_hand", "served keys renamed by hand to names SGLang has no rule for (midlayer. -> layers.1.)",
+          "layer0.embed_norm", "keys_dropped", _served_keys_renamed, deployed=True),
+    Fault("served_d2t_arange_subtracted", "the served d2t 'fixed' by subtracting arange",
+          "target_token", "d2t_convention", _served_d2t_arange_subtracted, deployed=True),
+    Fault("launched_as_eagle", "--speculative-algorithm EAGLE for an EAGLE-3 draft: no aux capture, the target's head",
+          "fc.input", "speculative_algorithm_not_eagle3",
+          lambda ws: ws.set_launch_flag("--speculative-algorithm", "EAGLE"), deployed=True),
+    Fault("served_aux_ids_verbatim", "speculators' aux ids copied verbatim into the served eagle_config",
+          "audit:capture", "aux_layers_off_by_one", _served_aux_ids_verbatim, deployed=True),
+    Fault("served_norm_flag_missing", "norm_before_fc missing from a hand-written served config",
+          "fc.input", "config_flag_not_carried", _served_norm_flag_missing, deployed=True),
+    Fault("served_lm_head_missing", "lm_head.weight missing from the served directory",
+          "logits", "lm_head_missing", lambda ws: ws.edit_served_tensors(lambda t: t.pop("lm_head.weight")), deployed=True),
+    Fault("launch_token_map_disagrees", "a --speculative-token-map that disagrees with the trained d2t "
+          "(SGLang ignores it for EAGLE3: reported, no false verdict)",
+          "audit:launch", "speculative_token_map_ignored", _served_token_map, deployed=True, notice_only=True),
+    Fault("launch_dtype_differs", "the launch serves the draft in another dtype than training's",
+          "audit:launch", "served_dtype_differs", _served_other_dtype, deployed=True),
 )
 
 FAULTS_BY_NAME = {f.name: f for f in FAULTS}

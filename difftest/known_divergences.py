@@ -33,6 +33,8 @@ KNOWN_UPSTREAM_DIVERGENCES: dict[str, str] = {
 
 # cause -> (does this checkpoint have the feature?, what the user should know)
 _TRIGGERS: dict[str, Callable[[Checkpoint], bool]] = {
+    # Measured by the config audit when it runs (its finding then replaces this one).
+    "norm_before_residual_ignored": lambda c: c.spec.norm_before_residual,
     "multi_layer_draft_differs": lambda c: c.spec.num_hidden_layers > 1,
     "dynamic_rope_scaling_differs": lambda c: (c.spec.rope_scaling or {}).get("rope_type", (c.spec.rope_scaling or {}).get("type")) == "dynamic",
 }

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from typing import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -18,7 +18,7 @@ from difftest.diagnosis import Diagnosis, rank_by_cost
 from difftest.engines.base import EngineAdapter, EngineRun, RunOptions, ServingSetup
 from difftest.errors import InputError
 from difftest.noise import noise_floor
-from difftest.states import CapturedStates, check_states_fit, load_states
+from difftest.states import CapturedStates, check_states_fit, first_id_outside, load_states
 from difftest.target import TargetWeights, load_target
 from difftest.tolerances import Tolerance, tolerance_for
 
@@ -64,6 +64,7 @@ class RunResult:
     capture: dict = field(default_factory=dict)
     target_capture: object = None  # audit.target_capture.CaptureParity, when measured
     acceptance: object = None  # acceptance.AcceptanceComparison, when simulated
+    deployment: dict | None = None  # trained vs served: plan, tensor and launch rows, when --serve was given
 
 
 # Below this many checkpoint bytes a full collection (about 0.5 s with both engines
@@ -119,9 +120,10 @@ def read_states(path: Path, ckpt: Checkpoint, tgt: TargetWeights, device: str = 
     options = RunOptions(device=device)
     training_ids = reference_adapter().capture_plan(ckpt, tgt, options).hf_layer_ids
     if layout == StatesLayout.DATAGEN:
-        return read_datagen(path, training_ids), f"{path} ({layout}, layers {training_ids} from the training capture plan)"
+        return (read_datagen(path, training_ids, vocab_size=tgt.vocab_size),
+                f"{path} ({layout}, layers {training_ids} from the training capture plan)")
     serving_ids = candidate_adapter().capture_plan(ckpt, tgt, options).hf_layer_ids or training_ids
-    return (read_sglang_server(path, serving_ids, tgt.hidden_size),
+    return (read_sglang_server(path, serving_ids, tgt.hidden_size, vocab_size=tgt.vocab_size),
             f"{path} ({layout}, layers {serving_ids} from the serving capture plan)")
 
 
@@ -141,8 +143,10 @@ def prepare(ckpt_path, target=None, states=None, max_tokens: int | None = None, 
         raise InputError(f"target hidden size {tgt.hidden_size} does not match the draft's target_hidden_size {ckpt.spec.target_hidden_size}")
     if tgt.vocab_size != ckpt.spec.target_vocab_size:
         raise InputError(f"target vocab {tgt.vocab_size} does not match the draft config's vocab_size {ckpt.spec.target_vocab_size}")
-    if int(st.input_ids.max()) >= tgt.vocab_size or int(st.input_ids.min()) < 0:
-        raise InputError(f"{states_path}: input_ids outside the target vocab [0, {tgt.vocab_size})")
+    outside = first_id_outside(st.input_ids, tgt.vocab_size)
+    if outside is not None:
+        raise InputError(f"{states_path}: input_ids[{outside}] is {int(st.input_ids[outside])}, outside the target "
+                         f"vocab [0, {tgt.vocab_size})")
     return RunInputs(ckpt, tgt, st, states_label)
 
 
@@ -165,15 +169,31 @@ def run(
     candidate = candidate or candidate_adapter()
     options = RunOptions(dtype=dtype, device=device, serving=serving)
     t0 = time.perf_counter()
+    # A launch command decides the serving draft's dtype and chain length; the reference
+    # drafts the same number of steps so the two predictions are comparable.
+    deployment = candidate.deployment_plan(inputs.checkpoint, inputs.target, options)
+    cand_options = options if deployment is None else replace(options, dtype=deployment.dtype)
+    if deployment is not None and chain_steps > 0:
+        chain_steps = deployment.chain_steps
     collect = inputs.checkpoint.nbytes() > COLLECT_ABOVE_BYTES
     chained = f" and {chain_steps}-step chain draft" if chain_steps > 0 else ""
+    serving_plan = candidate.capture_plan(inputs.checkpoint, inputs.target, options)
+    chain_states = None
+    if chain_steps > 0:
+        chain_states = serving_capture_states(inputs, serving_plan, on_step)
     on_step(f"{reference.name}: load, forward{chained}")
     ref_run = reference.run(inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=dtype, device=device),
                             chain_steps=chain_steps)
     release_memory(collect)
     on_step(f"{candidate.name}: load, forward{chained}")
-    cand_run = candidate.run(inputs.checkpoint, inputs.target, inputs.states, options, chain_steps=chain_steps)
+    cand_run = candidate.run(inputs.checkpoint, inputs.target, inputs.states, cand_options, chain_steps=chain_steps,
+                             chain_states=chain_states)
     release_memory(collect)
+    if cand_run.chain is not None and chain_states is None and serving_plan.hf_layer_ids != list(inputs.states.aux_layer_ids):
+        note = (f"drafted from the training states: the serving side captures {serving_plan.hf_layer_ids}, but these "
+                "states carry no first tokens, so the full sequences to capture them from cannot be rebuilt")
+        cand_run.chain.notes.append(note)
+        cand_run.details.setdefault("chain_notes", []).append(note)
     floor = None
     if measure_noise if measure_noise is not None else dtype != torch.float32:
         on_step(f"{reference.name}: fp32 run for the noise floor")
@@ -181,17 +201,30 @@ def run(
         floor = noise_floor(ref_run, full)
         del full
         release_memory(collect)
-    tol = tolerance_for(dtype)
+    # Two precisions meet only under a launch whose dtype differs from training's: compare at the looser.
+    tol = max((tolerance_for(dtype), tolerance_for(cand_options.dtype)), key=lambda t: t.rel_max)
     comparison = compare_runs(ref_run.probes, cand_run.probes, tol, {**ref_run.missing, **cand_run.missing})
     on_step("audit: ledgers, vocab, config translation, target capture")
-    findings, conversion_rows, capture = audit(inputs, reference, candidate, ref_run, cand_run, options)
+    findings, conversion_rows, capture = audit(inputs, reference, candidate, ref_run, cand_run, options, serving_plan)
+    served = None
+    if deployment is not None:
+        served = audit_deployment(inputs, serving.deployment.served_dir, serving.deployment.launch_argv, deployment,
+                                  cand_run, dtype)
+        findings += served.pop("findings")
     rows = None
     if audit_config:
         from difftest.audit.config import audit_config as run_config_audit
 
         on_step("audit: measuring each config field in both engines")
-        rows, config_findings = run_config_audit(inputs.checkpoint, inputs.target, inputs.states, reference, candidate, options)
-        findings += config_findings
+        # How each engine reads a config field is the engine's, whatever was deployed: the
+        # audit measures it on the conversion difftest writes.
+        plain = replace(options, serving=replace(options.serving, deployment=None))
+        rows, config_findings = run_config_audit(inputs.checkpoint, inputs.target, inputs.states, reference, candidate, plain)
+        from difftest.audit.config import rule_for
+
+        # A known divergence the audit has just measured is reported as measured, once.
+        measured = {rule_for(r["field"]).cause for r in rows if "perturbed_to" in r} | {f.cause for f in config_findings}
+        findings = [f for f in findings if not (f.check == "known" and f.cause in measured)] + config_findings
     parity = None
     if measure_target_capture:
         parity, parity_findings = target_capture_parity(inputs, candidate, options, on_step)
@@ -211,8 +244,44 @@ def run(
         inputs=inputs, options=options, tolerance=tol, reference=ref_run, candidate=cand_run,
         comparison=comparison, diagnosis=diagnosis, noise_floor=floor,
         timings_s={"engines": time.perf_counter() - t0}, findings=findings, config_audit=rows,
-        conversion=conversion_rows, capture=capture, target_capture=parity, acceptance=accept,
+        conversion=conversion_rows, capture=capture, target_capture=parity, acceptance=accept, deployment=served,
     )
+
+
+def serving_capture_states(inputs: RunInputs, serving_plan, on_step: Callable[[str], None]) -> CapturedStates | None:
+    """What the serving target hands its draft, when its capture plan differs from the
+    layers the states hold: the same target's layer boundaries, at the serving plan's ids
+    (in the neutral HF convention), or its last layer when it captures none. None when the
+    plans agree (the states are then what it captures, which the capture audit measures)."""
+    from dataclasses import replace as with_fields
+
+    from difftest.audit.target_capture import draft_row_index
+    from difftest.target import hf_layer_states
+
+    wanted = serving_plan.hf_layer_ids
+    if wanted is not None and list(wanted) == list(inputs.states.aux_layer_ids):
+        return None
+    sequences = inputs.states.sequences()
+    if sequences is None:
+        return None  # no first tokens: the full sequences cannot be rebuilt; the chain reads the states
+    on_step("target: the layers the serving side captures, for its chain")
+    layers = hf_layer_states(inputs.target.path, sequences)[:, draft_row_index(inputs.states)]
+    ids = list(wanted) if wanted is not None else [layers.shape[0] - 1]
+    hidden = torch.cat([layers[k] for k in ids], dim=-1)
+    return with_fields(inputs.states, aux_hidden_states=hidden, aux_layer_ids=tuple(ids))
+
+
+def audit_deployment(inputs: RunInputs, served_dir: Path, launch_argv, plan, cand_run: EngineRun, dtype: torch.dtype) -> dict:
+    """Trained versus served: tensors, the served vocab map, the launch settings."""
+    from difftest.audit.deployment import check_launch, check_served_tensors, config_rows
+    from difftest.audit.vocab import check_vocab
+
+    served = load_checkpoint(served_dir)
+    tensor_rows, tensor_findings = check_served_tensors(inputs.checkpoint, served, cand_run.ledger)
+    launch_rows, launch_findings = check_launch(plan, dtype, inputs.checkpoint)
+    return {"served_dir": str(served_dir), "launch_argv": list(launch_argv), "plan": plan.as_dict(),
+            "tensors": tensor_rows, "config": config_rows(inputs.checkpoint, served), "launch": launch_rows,
+            "findings": tensor_findings + check_vocab(served) + launch_findings}
 
 
 def target_capture_parity(inputs: RunInputs, candidate: EngineAdapter, options: RunOptions,
@@ -239,19 +308,19 @@ def target_capture_parity(inputs: RunInputs, candidate: EngineAdapter, options: 
 
 
 def audit(inputs: RunInputs, reference: EngineAdapter, candidate: EngineAdapter, ref_run: EngineRun,
-          cand_run: EngineRun, options: RunOptions) -> tuple[list, list[dict], dict]:
+          cand_run: EngineRun, options: RunOptions, serving_plan=None) -> tuple[list, list[dict], dict]:
     """The checks settled before the first matmul: ledgers, vocab mapping, config translation, capture."""
     from difftest.audit.capture import check_capture
     from difftest.audit.findings import Finding, Severity
     from difftest.audit.conversion import check_conversion
-    from difftest.audit.ledger import check_ledgers, check_shipped_embedding
+    from difftest.audit.ledger import check_duplicate_copies, check_ledgers, check_shipped_embedding, check_unread_files
     from difftest.audit.vocab import check_vocab
 
     ckpt = inputs.checkpoint
     findings = (check_ledgers(ref_run, cand_run) + check_shipped_embedding(ckpt, inputs.target, ref_run, cand_run)
-                + check_vocab(ckpt))
+                + check_vocab(ckpt) + check_unread_files(ckpt) + check_duplicate_copies(ckpt))
     conversion_rows, conversion_findings = check_conversion(ckpt, cand_run.details.get("served_config", ckpt.config))
-    serving_plan = candidate.capture_plan(ckpt, inputs.target, options)
+    serving_plan = serving_plan or candidate.capture_plan(ckpt, inputs.target, options)
     training_plan = reference.capture_plan(ckpt, inputs.target, RunOptions(dtype=options.dtype, device=options.device))
     capture_findings = check_capture(serving_plan, training_plan, inputs.states)
     if "fc.output" in cand_run.missing and not capture_findings:

@@ -37,7 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from difftest.errors import InputError
-from difftest.states import CapturedStates
+from difftest.states import CapturedStates, first_id_outside, first_nonfinite_row
 
 DATAGEN_FILE = re.compile(r"^hs_(\d+)\.safetensors$")
 
@@ -99,7 +99,15 @@ def _datagen_loss_masks(path: Path, n: int) -> list[list[int]] | None:
     return [list(m) for m in ds["loss_mask"]]
 
 
-def read_datagen(path: str | Path, aux_layer_ids, max_requests: int | None = None) -> CapturedStates:
+def _check_ids(ids: torch.Tensor, vocab_size: int | None, where: str) -> None:
+    if vocab_size is not None:
+        k = first_id_outside(ids, vocab_size)
+        if k is not None:
+            raise InputError(f"{where}: token id {int(ids[k])} at position {k} is outside the target vocab [0, {vocab_size})")
+
+
+def read_datagen(path: str | Path, aux_layer_ids, max_requests: int | None = None,
+                 vocab_size: int | None = None) -> CapturedStates:
     path = Path(path)
     every = _datagen_files(path)
     masks = _datagen_loss_masks(path, len(every))
@@ -115,6 +123,14 @@ def read_datagen(path: str | Path, aux_layer_ids, max_requests: int | None = Non
         if hs.dim() != 3 or hs.shape[0] != tok.shape[0] or hs.shape[1] != A + 1 or tok.shape[0] < 2:
             raise InputError(f"{f}: hidden_states must be [L, {A}+1, H] with L = len(token_ids) >= 2, "
                              f"found {list(hs.shape)} for {list(tok.shape)} tokens")
+        if tok.dim() != 1 or tok.is_floating_point() or tok.dtype == torch.bool or tok.is_complex():
+            raise InputError(f"{f}: token_ids must be integer ids [L], found {str(tok.dtype).replace('torch.', '')} "
+                             f"{list(tok.shape)}")
+        _check_ids(tok, vocab_size, str(f))
+        # The rows the reader keeps: aux slots of tokens 0..L-2, the verifier slot of tokens 1..L-1.
+        row = first_nonfinite_row(torch.cat([hs[:-1, :A].flatten(1), hs[1:, A]], dim=1))
+        if row is not None:
+            raise InputError(f"{f}: hidden_states row {row} holds NaN or Inf")
         mask = torch.tensor(masks[i]) if masks else torch.ones(tok.shape[0], dtype=torch.uint8)
         if mask.shape[0] != tok.shape[0]:
             raise InputError(f"{f}: loss_mask has {mask.shape[0]} entries for {tok.shape[0]} tokens")
@@ -162,7 +178,35 @@ def _server_records(path: Path) -> list[dict]:
     return data if isinstance(data, list) else [data]
 
 
-def read_sglang_server(path: str | Path, aux_layer_ids, target_hidden: int, max_requests: int | None = None) -> CapturedStates:
+def _ids(values, where: str, field: str) -> list[int]:
+    if not isinstance(values, list) or not values and field == "input_ids":
+        raise InputError(f"{where}: {field} must be a non-empty list of token ids")
+    for k, v in enumerate(values):
+        if type(v) is not int:  # bool is an int subclass, and 3.0 is not an id
+            raise InputError(f"{where}: {field}[{k}] is {v!r}, expected an integer token id")
+    return values
+
+
+def _rows(blocks, where: str) -> torch.Tensor:
+    """Prefill rows then one row per decode step, each the same width of finite numbers."""
+    rows = list(blocks[0]) + list(blocks[1:])
+    width = len(rows[0]) if isinstance(rows[0], list) else -1
+    for k, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != width or width == 0:
+            size = len(row) if isinstance(row, list) else type(row).__name__
+            raise InputError(f"{where}: hidden-state row {k} has {size} values, expected {width} like row 0")
+        if not all(type(v) in (float, int) for v in row):
+            bad = next(v for v in row if type(v) not in (float, int))
+            raise InputError(f"{where}: hidden-state row {k} holds {bad!r}, expected numbers")
+    hs = torch.tensor(rows, dtype=torch.float32)
+    row = first_nonfinite_row(hs)
+    if row is not None:
+        raise InputError(f"{where}: hidden-state row {row} holds NaN or Inf")
+    return hs
+
+
+def read_sglang_server(path: str | Path, aux_layer_ids, target_hidden: int, max_requests: int | None = None,
+                       vocab_size: int | None = None) -> CapturedStates:
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: server hidden-states file not found")
@@ -175,15 +219,18 @@ def read_sglang_server(path: str | Path, aux_layer_ids, target_hidden: int, max_
     for n, rec in enumerate(records):
         where = f"{path}: request {n}"
         try:
-            prompt, output = list(rec["input_ids"]), list(rec["output_ids"])
+            prompt, output = rec["input_ids"], rec["output_ids"]
             blocks = rec["meta_info"]["hidden_states"]
         except (KeyError, TypeError):
             raise InputError(f"{where}: needs input_ids, output_ids and meta_info.hidden_states "
                              "(a /generate response with return_hidden_states, plus the request's input_ids)") from None
-        if not blocks or not isinstance(blocks[0], list) or not blocks[0] or not isinstance(blocks[0][0], list):
+        prompt, output = _ids(prompt, where, "input_ids"), _ids(output, where, "output_ids")
+        if not isinstance(blocks, list) or not blocks or not isinstance(blocks[0], list) or not blocks[0] \
+                or not isinstance(blocks[0][0], list):
             raise InputError(f"{where}: meta_info.hidden_states[0] must be the prefill block (a list of rows)")
-        hs = torch.tensor(blocks[0] + blocks[1:], dtype=torch.float32)
         full = prompt + output
+        _check_ids(torch.tensor(full, dtype=torch.int64), vocab_size, where)
+        hs = _rows(blocks, where)
         if hs.shape[0] != len(full) - 1:
             raise InputError(f"{where}: {hs.shape[0]} hidden-state rows for {len(prompt)} prompt + {len(output)} "
                              f"output tokens; a server returns {len(full) - 1}")

@@ -19,6 +19,7 @@ from difftest.states import CapturedStates, load_states
 from difftest.tolerances import DTYPES
 
 CLEAN = "clean"
+CLEAN_DEPLOYED = "clean (served copy and launch command)"
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Outcome:
 
     @property
     def passed(self) -> bool:
-        if self.fault == CLEAN:
+        if self.fault in (CLEAN, CLEAN_DEPLOYED):
             return self.found_cause is None
         return self.found_at == self.expected_at and self.found_cause == self.expected_cause
 
@@ -69,7 +70,7 @@ class Score:
 
     @property
     def faults(self) -> list[Outcome]:
-        return [o for o in self.outcomes if o.fault != CLEAN]
+        return [o for o in self.outcomes if o.fault not in (CLEAN, CLEAN_DEPLOYED)]
 
     @property
     def caught(self) -> int:
@@ -77,7 +78,7 @@ class Score:
 
     @property
     def false_alarms(self) -> int:
-        return sum(not o.passed for o in self.outcomes if o.fault == CLEAN)
+        return sum(not o.passed for o in self.outcomes if o.fault in (CLEAN, CLEAN_DEPLOYED))
 
     @property
     def mutation_score(self) -> float:
@@ -133,23 +134,36 @@ def fixtures(which: str) -> list[SelftestFixture]:
     return out
 
 
-def run_one(fx: SelftestFixture, states: CapturedStates, dtype_name: str, fault: Fault | None) -> Outcome:
+def run_one(fx: SelftestFixture, states: CapturedStates, dtype_name: str, fault: Fault | None,
+            deployed: bool = False) -> Outcome:
+    """One run on a scratch copy. deployed: through --serve, on a served copy and its launch
+    command (made as `difftest convert` makes them), which a deployment fault then edits."""
     from difftest import pipeline
 
     t0 = time.perf_counter()
     dtype = DTYPES[dtype_name]
+    deployed = deployed or (fault is not None and fault.deployed)
     with scratch_dir() as tmp:
         ws = Workspace.copy_of(fx.checkpoint, states, fx.target, Path(tmp), dtype)
         after_training = fault is not None and fault.after_training
         for _, edit in () if after_training else fx.baseline:
             edit(ws)
+        if deployed:
+            ws.deploy()
         if fault is not None:
             fault.inject(ws)
         inputs = pipeline.prepare(ws.checkpoint, ws.target, ws.states_file())
         extra = dict(training_metrics=fx.training_metrics, training_run=fx.training_run) if after_training else {}
-        result = pipeline.run(inputs, dtype=dtype, serving=ws.serving, measure_noise=False,
-                              chain_steps=fx.chain_steps or (4 if after_training else 0), **extra)
+        result = pipeline.run(inputs, dtype=dtype, serving=ws.deployment() if deployed else ws.serving,
+                              measure_noise=False, chain_steps=fx.chain_steps or (4 if after_training else 0),
+                              measure_target_capture=deployed, **extra)
     diag = result.diagnosis
+    found_at, found_cause = (diag.found_at, diag.cause) if diag else ("-", None)
+    if fault is not None and fault.notice_only and diag is None:
+        # Harmless to the computation: caught when the report says so and gives no false verdict.
+        notice = next((f for f in result.findings if f.cause == fault.diagnosis), None)
+        if notice is not None:
+            found_at, found_cause = f"audit:{notice.check}", notice.cause
     accept = cost = None
     if result.acceptance is not None:
         accept = {"reference": result.acceptance.reference.mean_accept_length,
@@ -157,9 +171,9 @@ def run_one(fx: SelftestFixture, states: CapturedStates, dtype_name: str, fault:
     if after_training and diag is not None and diag.ranked:
         cost = {"against": "training", "training": diag.ranked[0]["cost_accept_length"]}
     return Outcome(
-        fixture=fx.name, dtype=dtype_name, fault=fault.name if fault else CLEAN,
+        fixture=fx.name, dtype=dtype_name, fault=fault.name if fault else (CLEAN_DEPLOYED if deployed else CLEAN),
         expected_at=fault.caught_at if fault else "-", expected_cause=fault.diagnosis if fault else None,
-        found_at=diag.found_at if diag else "-", found_cause=diag.cause if diag else None,
+        found_at=found_at, found_cause=found_cause,
         seconds=time.perf_counter() - t0, accept_length=accept, cost=cost,
     )
 
@@ -175,8 +189,11 @@ def run_selftest(which: str = "all", dtypes: Iterable[str] = ("fp32", "bf16"), o
         for dtype_name in dtypes:
             applicable = [f for f in chosen if dtype_name in f.dtypes and (fx.training_metrics or not f.after_training)]
             clean = None
-            for fault in [None, *applicable]:
-                outcome = run_one(fx, states, dtype_name, fault)
+            runs = [(None, False), *[(f, False) for f in applicable]]
+            if any(f.deployed for f in applicable):
+                runs.insert(1, (None, True))  # a correct served copy and command: no false alarm
+            for fault, deployed in runs:
+                outcome = run_one(fx, states, dtype_name, fault, deployed)
                 if fault is None:
                     clean = outcome
                 elif outcome.cost is None and outcome.accept_length and clean and clean.accept_length:
@@ -197,7 +214,7 @@ def render_table(score: Score):
         table.add_column(col, overflow="fold")
     for o in score.outcomes:
         diag = o.found_cause or "-"
-        if o.fault != CLEAN and o.found_cause != o.expected_cause:
+        if o.fault not in (CLEAN, CLEAN_DEPLOYED) and o.found_cause != o.expected_cause:
             diag = f"{diag} (expected {o.expected_cause})"
         table.add_row(o.fixture, o.dtype, o.fault, o.expected_at, o.found_at, diag, format_cost(o.cost),
                       "pass" if o.passed else "FAIL")

@@ -133,6 +133,22 @@ def load_states(path: str | Path) -> CapturedStates:
     return states
 
 
+def first_nonfinite_row(x: torch.Tensor, block: int = 4096) -> int | None:
+    """The first row holding NaN or Inf, or None. In blocks of rows: a mask over all of them
+    is half the states' size again."""
+    for start in range(0, x.shape[0], block):
+        bad = ~torch.isfinite(x[start:start + block]).reshape(min(block, x.shape[0] - start), -1).all(dim=1)
+        if bad.any():
+            return start + int(bad.nonzero()[0])
+    return None
+
+
+def first_id_outside(ids: torch.Tensor, vocab_size: int) -> int | None:
+    """The position of the first token id outside [0, vocab_size), or None."""
+    bad = (ids < 0) | (ids >= vocab_size)
+    return int(bad.nonzero()[0]) if bad.any() else None
+
+
 def _check_consistent(s: CapturedStates, path: Path) -> None:
     T = s.num_tokens
     if s.input_ids.dim() != 1 or s.input_ids.dtype != torch.int64:
@@ -145,9 +161,9 @@ def _check_consistent(s: CapturedStates, path: Path) -> None:
             continue
         if x.dim() != 2 or x.shape[0] != T:
             raise InputError(f"{path}: {name} must be [{T}, width], found {list(x.shape)}")
-        # In blocks of rows: a mask over all of them is half the states' size again.
-        if not all(torch.isfinite(block).all() for block in x.split(4096)):
-            raise InputError(f"{path}: {name} holds NaN or Inf")
+        row = first_nonfinite_row(x)
+        if row is not None:
+            raise InputError(f"{path}: {name} row {row} holds NaN or Inf")
     for name, want in (("loss_mask", [T]), ("first_token_ids", [int(s.seq_lens.shape[0])])):
         x = getattr(s, name)
         if x is not None and list(x.shape) != want:

@@ -44,6 +44,84 @@ def validate_config(ckpt: Checkpoint) -> None:
         raise InputError(f"{ckpt.path}: eagle_aux_hidden_state_layer_ids {list(s.aux_layer_ids)} repeats a layer")
 
 
+# Positions a rotary cache may be built for. Long-context targets declare up to about a million
+# (Qwen 1M: 1,010,000); SGLang builds a cos/sin cache of this many rows at construction.
+MAX_POSITIONS = 1 << 22
+# What the engines may build beyond the stored weights: the embedding they share from the target
+# (vocab x hidden) and a head they poison when it is missing (draft vocab x hidden), plus slack
+# for norms and buffers. Anything more is memory the config asks for that no weight backs.
+SLACK_PARAMS = 1 << 20
+
+
+def decoder_layers_stored(ckpt: Checkpoint) -> int:
+    """Decoder layers the weights hold, under either format's prefix."""
+    indices = {n.split(".")[1] for n in ckpt.tensor_names() if n.startswith("layers.") and n.count(".") > 1}
+    return len(indices) + any(n.startswith("midlayer.") for n in ckpt.tensor_names())
+
+
+def implied_parameters(ckpt: Checkpoint) -> int:
+    """Parameters the engines allocate for this config: every size field enters here."""
+    s = ckpt.spec
+    H, D = s.hidden_size, s.head_dim
+    attention = H * s.num_attention_heads * D * 2 + 2 * H * s.num_key_value_heads * D  # q/o + k/v
+    layer = 2 * attention + 3 * H * s.intermediate_size  # the first layer reads 2H; counted for all
+    return (s.num_hidden_layers * layer + H * s.num_aux * s.target_hidden_size
+            + s.target_vocab_size * H + s.draft_vocab_size * H)
+
+
+def validate_sizes(ckpt: Checkpoint) -> None:
+    """Every size field bounded before anything is built: by the weights, or by a stated bound."""
+    s = ckpt.spec
+    layer_cfg = ckpt.config.get("transformer_layer_config", ckpt.config)
+    stored = decoder_layers_stored(ckpt)
+    if s.num_hidden_layers < 1 or s.num_hidden_layers > max(stored, 1):
+        raise InputError(f"{ckpt.path}: config num_hidden_layers is {s.num_hidden_layers}, but the weights hold "
+                         f"{stored} decoder layer(s); expected at most that many (each configured layer is built)")
+    layer_types = layer_cfg.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != s.num_hidden_layers):
+        count = len(layer_types) if isinstance(layer_types, list) else type(layer_types).__name__
+        raise InputError(f"{ckpt.path}: config layer_types has {count} entries, expected one per layer "
+                         f"(num_hidden_layers {s.num_hidden_layers})")
+    if not 1 <= s.max_position_embeddings <= MAX_POSITIONS:
+        raise InputError(f"{ckpt.path}: config max_position_embeddings is {s.max_position_embeddings}, expected "
+                         f"1..{MAX_POSITIONS} (engines build a rotary cache of that many positions)")
+    implied, held = implied_parameters(ckpt), sum(ckpt.shape(n).numel() for n in ckpt.tensor_names())
+    allowance = held + s.target_vocab_size * s.hidden_size + s.draft_vocab_size * s.hidden_size + SLACK_PARAMS
+    if implied > allowance:
+        raise InputError(f"{ckpt.path}: the config's sizes imply {implied:,} parameters, but the weights hold {held:,}; "
+                         "a size field is larger than any stored tensor backs")
+
+
+DTYPE_LABELS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_label(ckpt: Checkpoint) -> tuple[str, str] | None:
+    """(config key, label) of the dtype the config declares, top level first."""
+    for node, prefix in ((ckpt.config, ""), (ckpt.config.get("transformer_layer_config") or {}, "transformer_layer_config.")):
+        for key in ("dtype", "torch_dtype"):
+            if isinstance(node, dict) and isinstance(node.get(key), str):
+                return prefix + key, node[key].replace("torch.", "")
+    return None
+
+
+def validate_dtype_label(ckpt: Checkpoint) -> None:
+    """A dtype label that the stored weights cannot be cast to exactly makes the engines run
+    different weights: speculators' from_pretrained casts to the label, SGLang's loader keeps
+    what is stored. (A float32 label over bf16/fp16 weights casts exactly: no difference.)"""
+    found = dtype_label(ckpt)
+    if found is None or found[1] not in DTYPE_LABELS:
+        return
+    key, label = found
+    stored = ckpt.stored_dtype()
+    want = DTYPE_LABELS[label]
+    if want == stored or want == torch.float32:
+        return
+    stored_name = next(n for n, d in DTYPE_LABELS.items() if d == stored)
+    raise InputError(f"{ckpt.path}: config {key} says {label} but the weights are stored as {stored_name}; speculators "
+                     f"casts them to {label} on load and SGLang keeps {stored_name}, so the two would run different "
+                     f"weights; fix: set {key} to \"{stored_name}\" in config.json, or re-save the weights as {label}")
+
+
 def validate_shapes(ckpt: Checkpoint) -> None:
     s = ckpt.spec
     H, D = s.hidden_size, s.head_dim
@@ -97,6 +175,8 @@ def validate_vocab_maps(ckpt: Checkpoint) -> None:
 
 def validate_checkpoint(ckpt: Checkpoint) -> None:
     validate_config(ckpt)
+    validate_sizes(ckpt)
+    validate_dtype_label(ckpt)
     validate_shapes(ckpt)
     validate_vocab_maps(ckpt)
     validate_values(ckpt)

@@ -6,6 +6,7 @@ Builds it on first use (cached afterwards), so this module is slow once per mach
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from difftest.fixturegen import smollm2
 from difftest.fixturegen.cache import Step
 from difftest.fixturegen.default import default_fixture
 from difftest.report import validate_report
+from difftest.states import load_states
 from tests.conftest import tree_hash
 
 
@@ -127,25 +129,56 @@ def test_heldout_states_pair_tokens_as_the_trainer_does(fx):
     assert st.aux_hidden_states.shape[1] == 3 * 576 and st.loss_mask is not None
 
 
-def test_main_job_reports_both_formats(fx, tmp_path):
+def test_main_job_reports_the_training_checkpoint_against_its_deployment(fx, tmp_path):
+    """With no argument: the checkpoint as trained (speculators' format) against the directory
+    `difftest convert` writes for it (legacy format, read by SGLang's own loader) and the
+    shipped launch command, which is the one convert prints."""
+    import shlex
+
+    from difftest.convert import launch_command
+
+    ckpt = load_checkpoint(fx.checkpoint)
+    assert shlex.split(fx.launch.read_text()) == launch_command("legacy", "../target", ckpt.stored_dtype())
     before = tree_hash(fx.checkpoint.parent)
     proc = subprocess.run([sys.executable, "-m", "difftest.cli", "report", "--out", str(tmp_path), "-q"],
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
-    reports = [json.loads((tmp_path / "report.json").read_text()), json.loads((tmp_path / "legacy" / "report.json").read_text())]
-    for rep in reports:
-        validate_report(rep)
-        assert rep["training"]["full_acc_0"] > 0.1
-    assert [r["checkpoint"]["format"] for r in reports] == ["speculators", "legacy"]
-    # Both formats carry the same draft, so the engines must tell the same story for both.
-    assert reports[0]["verdict"] == reports[1]["verdict"]
-    assert (reports[0]["diagnosis"] or {}).get("cause") == (reports[1]["diagnosis"] or {}).get("cause")
-    if load_checkpoint(fx.checkpoint).config["norm_before_residual"]:
+    rep = json.loads((tmp_path / "report.json").read_text())
+    validate_report(rep)
+    assert rep["training"]["full_acc_0"] > 0.1
+    assert rep["checkpoint"]["format"] == "speculators"
+    dep = rep["deployment"]
+    assert Path(dep["served_dir"]) == fx.served.resolve()
+    assert all(r["status"].startswith("equal") for r in dep["tensors"]), dep["tensors"]
+    assert dep["plan"]["chain_steps"] == rep["acceptance"]["candidate"]["steps"]
+    if ckpt.config["norm_before_residual"]:
         # SGLang has no norm_before_residual: the trainer's default must show up as a real finding.
-        assert reports[0]["verdict"] == "DIVERGED"
-        assert reports[0]["first_divergence"]["probe"] == "layer0.post_attn_residual"
-        assert reports[0]["diagnosis"]["cause"] == "norm_before_residual_ignored"
+        assert rep["verdict"] == "DIVERGED"
+        assert rep["first_divergence"]["probe"] == "layer0.post_attn_residual"
+        assert rep["diagnosis"]["cause"] == "norm_before_residual_ignored"
     assert tree_hash(fx.checkpoint.parent) == before
+
+
+def test_the_serving_chain_is_drafted_from_what_its_own_target_captures(fx, tmp_path):
+    """Served aux ids copied verbatim: SGLang's target captures other layers than training's,
+    and its chain is drafted from the layers its own target forward was measured to hold."""
+    import torch
+
+    from difftest import pipeline
+    from difftest.faults import FAULTS_BY_NAME, Workspace
+
+    ws = Workspace.copy_of(fx.checkpoint, load_states(fx.states), fx.target, tmp_path, torch.bfloat16)
+    ws.deploy()
+    FAULTS_BY_NAME["served_aux_ids_verbatim"].inject(ws)
+    inputs = pipeline.prepare(ws.checkpoint, ws.target, ws.states_file())
+    result = pipeline.run(inputs, dtype=torch.bfloat16, serving=ws.deployment(), chain_steps=2,
+                          measure_target_capture=True)
+    measured = result.target_capture.serving_hf_ids  # named from SGLang's own target forward
+    assert measured == [k + 1 for k in inputs.states.aux_layer_ids]
+    assert result.candidate.details["chain_notes"] == [
+        f"drafted from the states this deployment's target captures (layers {measured}), not the training states"]
+    assert result.diagnosis.ranked[0]["cause"] == "aux_layers_off_by_one"
+    assert result.diagnosis.ranked[0]["found_at"] == "audit:capture"
 
 
 def test_selftest_on_the_real_draft_catches_every_fault_in_both_dtypes(fx):

@@ -135,11 +135,12 @@ class _Engines:
     options: RunOptions
 
 
-def _variant(base_dir: Path, config: dict, root: Path, name: str) -> Checkpoint:
+def _variant(base: Checkpoint, config: dict, root: Path, name: str) -> Checkpoint:
     d = root / name
     d.mkdir()
     (d / "config.json").write_text(json.dumps(config))
-    for f in base_dir.glob("*.safetensors"):
+    # Exactly what the engines read from the base (its shards and their index), nothing stray.
+    for f in base.weight_files():
         os.symlink(f.resolve(), d / f.name)  # read-only use: the weights are never opened for writing
     return load_checkpoint(d)
 
@@ -216,7 +217,7 @@ def audit_config(ckpt: Checkpoint, target: TargetWeights, states: CapturedStates
             variant_cfg = _set(config, path, new)
             for extra_path, extra_value in rule.also:
                 variant_cfg = _set(variant_cfg, extra_path, extra_value)
-            variant = _variant(base.path, variant_cfg, root, f"v{i}")
+            variant = _variant(base, variant_cfg, root, f"v{i}")
             ref_v, cand_v = _run(reference, variant, e), _run(candidate, variant, e)
             ref_eff = _effect(base_ref, ref_v) if not isinstance(ref_v, str) else None
             cand_eff = _effect(base_cand, cand_v) if not isinstance(cand_v, str) else None
@@ -256,7 +257,7 @@ def _ignored_finding(path, value, rule: FieldRule, base: Checkpoint, base_ref: E
         neutral_cfg = None
     measured: dict = {}
     if neutral_cfg is not None and value != rule.neutral:
-        run = _run(e.reference, _variant(base.path, neutral_cfg, root, f"n{i}"), e)
+        run = _run(e.reference, _variant(base, neutral_cfg, root, f"n{i}"), e)
         if not isinstance(run, str):
             logits = activation_metrics(base_ref.probes["logits"], run.probes["logits"])
             agree = (base_ref.probes["draft_token"] == run.probes["draft_token"]).float().mean().item()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -19,6 +20,46 @@ from difftest.target import TargetWeights
 
 
 DROP = "<dropped>"  # a config_edits value: remove the field
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What the user actually serves: a draft directory and the serving engine's launch
+    command, exactly as given. Only the serving engine's adapter reads the command (with
+    that engine's own parser); relative paths in it resolve against `base_dir`."""
+
+    served_dir: Path
+    launch_argv: tuple[str, ...]
+    base_dir: Path
+    source: str = "--launch"  # where the command came from, for messages
+
+
+@dataclass(frozen=True)
+class LaunchFlag:
+    """One launch setting that changes what the draft computes, as the engine resolved it."""
+
+    flag: str
+    value: object
+    effect: str  # what it changes in the draft's computation
+    simulated: str  # how difftest ran it here ("as given", or what was run instead and why)
+    given: bool = True  # set on the command line (False: the engine's default)
+
+
+@dataclass
+class DeploymentPlan:
+    """How the serving engine would run the draft under a launch command."""
+
+    dtype: torch.dtype
+    chain_steps: int
+    flags: list[LaunchFlag] = field(default_factory=list)
+    served_config: dict = field(default_factory=dict)  # as the engine's own config code read it
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"dtype": str(self.dtype).removeprefix("torch."), "chain_steps": self.chain_steps,
+                "flags": [dict(f.__dict__, value=f.value if isinstance(f.value, (int, float, str, bool, type(None), list))
+                               else str(f.value)) for f in self.flags],
+                "notes": self.notes}
 
 
 @dataclass(frozen=True)
@@ -42,6 +83,9 @@ class ServingSetup:
     # Prefix renames of the checkpoint's tensor names on their way to the serving engine,
     # as (old prefix, new prefix): what a converter that names keys wrongly produces.
     key_renames: tuple[tuple[str, str], ...] = ()
+    # A served directory and launch command: the serving engine then reads those, as its
+    # server would, and the fields above are not used.
+    deployment: Deployment | None = None
 
 
 @dataclass(frozen=True)
@@ -158,8 +202,17 @@ class EngineAdapter(Protocol):
         states: CapturedStates,
         options: RunOptions,
         chain_steps: int = 0,
+        chain_states: CapturedStates | None = None,
     ) -> EngineRun:
         """Load the draft once, record the probes of one draft forward and, with chain_steps > 0,
         draft that many chained steps from every row with the same model (EngineRun.chain).
-        One load per engine: at real shapes a second load costs a minute and a second copy."""
+        One load per engine: at real shapes a second load costs a minute and a second copy.
+        `chain_states`, when given, are what this engine's own target would hand the draft at
+        serving time (they differ from `states` when its capture differs from training's):
+        the chain is drafted from them, the probes from `states`."""
+        ...
+
+    def deployment_plan(self, checkpoint: Checkpoint, target: TargetWeights, options: RunOptions) -> DeploymentPlan | None:
+        """For a serving engine given `options.serving.deployment`: what its launch command
+        resolves to. None for an engine that does not serve."""
         ...

@@ -42,6 +42,9 @@ def _all_nan(t: torch.Tensor) -> bool:
 class SpeculatorsAdapter:
     name = "speculators"
 
+    def deployment_plan(self, checkpoint, target, options):
+        return None  # a training engine: it runs the checkpoint as trained, nothing is launched
+
     def capture_plan(self, checkpoint: Checkpoint, target: TargetWeights, options: RunOptions) -> CapturePlan:
         """The layers speculators' datagen captures for this draft: its own resolution of the
         configured ids against the verifier, indexed straight into HF hidden_states."""
@@ -112,7 +115,8 @@ class SpeculatorsAdapter:
         model.embed_tokens.weight = shared
 
     def run(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, options: RunOptions,
-            chain_steps: int = 0) -> EngineRun:
+            chain_steps: int = 0, chain_states: CapturedStates | None = None) -> EngineRun:
+        # The training side drafts from the training states; chain_states are a serving notion.
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         import speculators.models.eagle3  # noqa: F401

@@ -17,6 +17,8 @@ class Fixture:
     legacy: Path | None = None
     training: Path | None = None
     training_run: Path | None = None  # the trainer's saved checkpoint, for --training-run
+    served: Path | None = None  # what `difftest convert` wrote for SGLang
+    launch: Path | None = None  # the launch command that serves it
 
 
 def tiny_fixture() -> Fixture:
@@ -35,4 +37,4 @@ def default_fixture(progress: bool = True, tracker=None) -> Fixture:
         own = Tracker(progress, "difftest fixture")
         with own.live():
             p = smollm2.build(own)
-    return Fixture(p.draft, p.target, p.states, p.legacy, p.training_json, p.train_out)
+    return Fixture(p.draft, p.target, p.states, p.legacy, p.training_json, p.train_out, served=p.legacy, launch=p.launch)

@@ -52,6 +52,9 @@ EPOCHS_ENV = "DIFFTEST_TRAIN_EPOCHS"
 DEFAULT_EPOCHS = 10
 FROM_SCRATCH_ENV = "DIFFTEST_FIXTURE_FROM_SCRATCH"
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "fixtures" / "smollm2"
+# The launch command `difftest convert` prints for this draft, with its paths relative to the
+# file's directory (the served `legacy/` beside it, the target one level up).
+LAUNCH_FILE = "launch-sglang.txt"
 # Tensors the trainer saves but does not train: restored from the target, cast to the draft's dtype.
 FROM_TARGET = {"embed_tokens.weight": "model.embed_tokens.weight"}
 
@@ -76,6 +79,8 @@ class Paths:
     def states(self) -> Path: return self.root / "draft" / "states.safetensors"  # found from either format's dir
     @property
     def training_json(self) -> Path: return self.root / "training.json"
+    @property
+    def launch(self) -> Path: return self.root / "draft" / LAUNCH_FILE  # serves `legacy`, what `difftest convert` writes
 
 
 def gguf_path() -> Path:
@@ -363,7 +368,8 @@ def export(p: Paths) -> dict:
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     shutil.rmtree(p.draft, ignore_errors=True)
     tmp.rename(p.draft)
-    speculators_to_legacy(p.draft, p.legacy)
+    speculators_to_legacy(p.draft, p.legacy)  # what `difftest convert` writes for SGLang (served_copy)
+    shutil.copyfile(SHIPPED_DIR / LAUNCH_FILE, p.launch)
 
     model, _ = load_target_model(p)
     held, seqs, masks, total = heldout_conversations(p), [], [], 0
@@ -521,7 +527,7 @@ def plan(p: Paths) -> list[BuildStep]:
             BuildStep(f"train-e{epochs}", f"train: speculators' trainer, {epochs} epochs", 60 * epochs + 15, [p.train_out],
                       lambda say: train(p, say)),
             BuildStep(f"{export_name}-e{epochs}", "export: formats, held-out states, training metrics", 15,
-                      [p.draft, p.legacy, p.states, p.training_json], lambda say: export(p)),
+                      [p.draft, p.legacy, p.launch, p.states, p.training_json], lambda say: export(p)),
         ]
     sha = manifest["draft"]["shipped_sha256"][:12]
 
@@ -539,7 +545,7 @@ def plan(p: Paths) -> list[BuildStep]:
         BuildStep(f"draft-shipped-{sha}", "draft: shipped, trained tensors verified", 3, [p.train_out],
                   lambda say: restore_draft(p, manifest)),
         BuildStep(f"{export_name}-shipped-{sha}", "export: formats, held-out states, training metrics", 15,
-                  [p.draft, p.legacy, p.states, p.training_json], lambda say: export(p)),
+                  [p.draft, p.legacy, p.launch, p.states, p.training_json], lambda say: export(p)),
     ]
 
 

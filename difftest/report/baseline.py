@@ -20,6 +20,10 @@ def load_baseline(path: str | Path) -> dict:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
         raise InputError(f"{path}: baseline report not found") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory; --baseline takes an earlier report.json") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the baseline ({exc.strerror or exc})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: baseline is not valid JSON ({exc})") from None
     from difftest.report.build import validate_report

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import tempfile
 from importlib import metadata
 from pathlib import Path
@@ -91,7 +92,8 @@ def build_report(result: RunResult, command: list[str] | None = None, extra: dic
             "num_requests": int(result.inputs.states.seq_lens.numel()),
             "aux_layer_ids": list(result.inputs.states.aux_layer_ids),
         },
-        "serving_setup": result.options.serving.__dict__,
+        "serving_setup": {k: v for k, v in result.options.serving.__dict__.items() if k != "deployment"},
+        "deployment": result.deployment,
         "tolerance": {"dtype": str(result.options.dtype).replace("torch.", ""), **result.tolerance.as_dict()},
         "noise_floor": result.noise_floor,
         "environment": {
@@ -196,6 +198,7 @@ def render_markdown(report: dict) -> str:
         lines += ["## Audit findings", "", "| check | severity | cause | finding |", "|---|---|---|---|"]
         lines += [f"| {f['check']} | {f['severity']} | {f['cause']} | {f['message']} |" for f in audit["findings"]]
         lines.append("")
+    lines += _deployment_markdown(report)
     if audit.get("capture"):
         cap = audit["capture"]
         lines += ["## Target capture (HF hidden_states ids)", "",
@@ -248,8 +251,31 @@ def render_markdown(report: dict) -> str:
                   + ("no regressions." if not b["regressions"] else f"{len(b['regressions'])} regression(s):"), ""]
         lines += [f"- {r}" for r in b["regressions"]] + [""]
     if report.get("command"):
-        lines += ["## Reproduce", "", "```", " ".join(report["command"]), "```", ""]
+        lines += ["## Reproduce", "", "```", shlex.join(report["command"]), "```", ""]
     return "\n".join(lines)
+
+
+def _deployment_markdown(report: dict) -> list[str]:
+    dep = report.get("deployment")
+    if not dep:
+        return []
+
+    lines = ["## Deployment: trained vs served", "", f"Served directory `{dep['served_dir']}`, launched as:", "",
+             "```", shlex.join(dep["launch_argv"]), "```", "",
+             "| launch setting | value | what it changes in the draft | simulated here |", "|---|---|---|---|"]
+    lines += [f"| `{r['flag']}` | `{r['value']}`{'' if r['given'] else ' (default)'} | {r['effect']} | {r['simulated']} |"
+              for r in dep["launch"]]
+    lines += [""] + [f"- {n}" for n in dep["plan"].get("notes") or []]
+    lines += ["", "| training tensor | served tensor | status | SGLang parameter |", "|---|---|---|---|"]
+    lines += [f"| {r['training'] or '-'} | {r['served'] or '-'} | {r['status']} | {', '.join(r['into']) or '-'} |"
+              for r in dep["tensors"]]
+    changed = [r for r in dep["config"] if r["status"] != "carried"]
+    lines += ["", f"Config fields: {sum(r['status'] == 'carried' for r in dep['config'])} carried as a conversion "
+              f"writes them, {len(changed)} not:", ""]
+    if changed:
+        lines += ["| field | conversion writes | served | status |", "|---|---|---|---|"]
+        lines += [f"| {r['field']} | `{r['expected']}` | `{r['served']}` | **{r['status']}** |" for r in changed]
+    return lines + [""]
 
 
 def _acceptance_markdown(report: dict) -> list[str]:

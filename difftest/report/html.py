@@ -7,6 +7,7 @@ import base64
 import html
 import io
 import json
+import shlex
 
 from difftest.probes import PROBES, ProbeKind
 
@@ -219,6 +220,24 @@ def render_html(report: dict) -> str:
             [[_e(f["check"]), _e(f["severity"]), f"<code>{_e(f['cause'])}</code>", _e(f["message"]),
               _e(json.dumps(f.get("measured") or {}, default=str)[:300])] for f in audit["findings"]],
             cell_classes=lambda i, j, c: audit["findings"][i]["severity"] if j == 1 else ""))
+    dep = report.get("deployment")
+    if dep:
+
+        parts.append("<h2 id='deployment'>Deployment: trained vs served</h2>"
+                     f"<p>Served directory <code>{_e(dep['served_dir'])}</code>, launched as:</p>"
+                     f"<pre>{_e(shlex.join(dep['launch_argv']))}</pre>" + _table(
+                         ["launch setting", "value", "what it changes in the draft", "simulated here"],
+                         [[f"<code>{_e(r['flag'])}</code>", _e(r["value"]) + ("" if r["given"] else " (default)"),
+                           _e(r["effect"]), _e(r["simulated"])] for r in dep["launch"]]))
+        parts.append(_table(["training tensor", "served tensor", "status", "SGLang parameter"],
+                            [[_e(r["training"] or "-"), _e(r["served"] or "-"), _e(r["status"]), _e(", ".join(r["into"]) or "-")]
+                             for r in dep["tensors"]]))
+        changed = [r for r in dep["config"] if r["status"] != "carried"]
+        if changed:
+            parts.append("<p>Config fields not as a conversion writes them:</p>" + _table(
+                ["field", "conversion writes", "served", "status"],
+                [[_e(r["field"]), f"<code>{_e(r['expected'])}</code>", f"<code>{_e(r['served'])}</code>",
+                  f"<b>{_e(r['status'])}</b>"] for r in changed]))
     cap = audit.get("capture")
     if cap:
         parts.append("<h2>Target capture (HF hidden_states ids)</h2>" + _table(
@@ -258,6 +277,6 @@ def render_html(report: dict) -> str:
     parts.append("<h2>Environment</h2><p>" + _e(", ".join(f"{k} {v}" for k, v in env["packages"].items())) +
                  f", python {_e(env['python'])}</p>")
     if report.get("command"):
-        parts.append(f"<h2>Reproduce</h2><pre id='command'>{_e(' '.join(report['command']))}</pre>")
+        parts.append(f"<h2>Reproduce</h2><pre id='command'>{_e(shlex.join(report['command']))}</pre>")
     parts.append("</main></body></html>")
     return "\n".join(parts)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -55,6 +56,31 @@ def _without_cache_flush(device: str):
         yield
     finally:
         current_platform.empty_cache = flush
+
+
+@contextlib.contextmanager
+def _loader_bars_follow_tqdm_disable():
+    """SGLang's weight iterators pass tqdm an explicit disable= (rank 0 shows the bar), which
+    outranks TQDM_DISABLE; difftest's own display sets that variable and owns the terminal."""
+    import os
+
+    from sglang.srt.model_loader import weight_utils
+
+    shown = weight_utils.tqdm
+    if os.environ.get("TQDM_DISABLE") in ("1", "true", "True"):
+        def hidden(*args, **kwargs):
+            return shown(*args, **{**kwargs, "disable": True})
+
+        hidden._get_free_pos = shown._get_free_pos
+        weight_utils.tqdm = hidden
+    try:
+        yield
+    finally:
+        weight_utils.tqdm = shown
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
 
 def serving_config(checkpoint: Checkpoint, options: RunOptions | None = None) -> tuple[dict, dict[str, str]]:
@@ -135,12 +161,21 @@ class SGLangAdapter:
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
         steps: list[str] = []
-        with tempfile.TemporaryDirectory(prefix="difftest-sgl-") as draft_dir:
-            cfg, _ = serving_config(checkpoint, options)
-            with open(f"{draft_dir}/config.json", "w") as f:
-                json.dump(cfg, f)
-            args = ServerArgs(model_path=str(target.path), speculative_algorithm="EAGLE3",
-                              speculative_draft_model_path=draft_dir, device=options.device.split(":")[0])
+        deployment = options.serving.deployment
+        with tempfile.TemporaryDirectory(prefix="difftest-sgl-") as scratch:
+            if deployment is not None:
+                from difftest.engines.sglang_engine.launch import parse_launch
+
+                args, _, _ = parse_launch(deployment, target.path, options.device)
+                draft_dir = args.speculative_draft_model_path
+                algorithm = str(args.speculative_algorithm)
+            else:
+                draft_dir, algorithm = scratch, "EAGLE3"
+                cfg, _ = serving_config(checkpoint, options)
+                with open(f"{draft_dir}/config.json", "w") as f:
+                    json.dump(cfg, f)
+                args = ServerArgs(model_path=str(target.path), speculative_algorithm=algorithm,
+                                  speculative_draft_model_path=draft_dir, device=options.device.split(":")[0])
             target_config = ModelConfig.from_server_args(args)
             # The resolver reads the draft path from the published server args; hand it this
             # one directly rather than publishing a speculative config process-wide.
@@ -150,10 +185,11 @@ class SGLangAdapter:
             try:
                 resolved = aux_resolution.resolve_spec_aux_hidden_state_config(
                     server_args=args, model_config=target_config,
-                    spec_algorithm=SpeculativeAlgorithm.from_string("EAGLE3"), is_draft_worker=False)
+                    spec_algorithm=SpeculativeAlgorithm.from_string(algorithm), is_draft_worker=False)
             finally:
                 aux_resolution.get_spec = published
         ids = resolved.eagle_aux_hidden_state_layer_ids
+        steps.insert(0, f"--speculative-algorithm {algorithm}")
         steps.append(f"resolve_spec_aux_hidden_state_config: use_aux_hidden_state={resolved.eagle_use_aux_hidden_state}, "
                      f"eagle_aux_hidden_state_layer_ids={ids}")
         model_cls, arch = get_model_architecture(target_config)
@@ -163,7 +199,8 @@ class SGLangAdapter:
             steps.append("serving setup: the target was not set up to capture aux hidden states")
             return plan
         if not resolved.eagle_use_aux_hidden_state:
-            steps.append("eagle_config.use_aux_hidden_state is false: no capture")
+            steps.append(f"no aux capture resolved for {algorithm} with this draft config "
+                         "(EAGLE3 with eagle_config.use_aux_hidden_state true is what enables it)")
             return plan
         if not supports:
             steps.append(f"{model_cls.__name__} has no set_eagle3_layers_to_capture: the draft gets one layer")
@@ -178,6 +215,15 @@ class SGLangAdapter:
         # walking layers in order, so the draft receives them ascending whatever the list order.
         plan.hf_layer_ids = sorted(layers)
         steps.append(f"captured at the input of each listed layer, in layer order: hidden_states{plan.hf_layer_ids}")
+        return plan
+
+    def deployment_plan(self, checkpoint: Checkpoint, target: TargetWeights, options: RunOptions):
+        if options.serving.deployment is None:
+            return None
+        ensure_runtime(options.device)
+        from difftest.engines.sglang_engine.launch import deployment_plan
+
+        plan, _, _ = deployment_plan(options.serving.deployment, target.path, options.device, options.dtype)
         return plan
 
     @torch.no_grad()
@@ -219,6 +265,8 @@ class SGLangAdapter:
     def _build(self, checkpoint: Checkpoint, target: TargetWeights, options: RunOptions):
         """SGLang's model from the serving config, through its own load_weights, with the
         target's embedding (and head) shared the way the EAGLE worker shares them."""
+        if options.serving.deployment is not None:
+            return self._build_deployed(target, options)
         from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
         from transformers import LlamaConfig
 
@@ -227,26 +275,65 @@ class SGLangAdapter:
         device = torch.device(options.device)
         with _default_dtype(options.dtype), device:
             model = LlamaForCausalLMEagle3(config).eval()
-        recorder = _LoadRecorder(model)
-
-        served_names: dict[str, str] = {}
-
-        def weights():
-            for served, original, tensor in serving_tensors(checkpoint, options.serving.key_renames):
-                served_names[original] = served
-                recorder.current = original
-                yield served, tensor
-            recorder.current = None
-
-        model.load_weights(weights())
-        share = self._share_target(model, target, options)
-        ledger = self._ledger(model, served_names, recorder, share["shared"])
-        self._poison_unwritten(model, ledger)
+        served = ((served, original, tensor) for served, original, tensor in
+                  serving_tensors(checkpoint, options.serving.key_renames))
+        model, ledger, share = self._load(model, served, target, options, "EAGLE3")
         details = {"conversion_notes": conversion_notes, "served_config": cfg_dict, "lm_head_path": share["path"]}
         return model, ledger, details
 
+    def _build_deployed(self, target: TargetWeights, options: RunOptions):
+        """The served directory as a server started with the launch command builds it: the
+        draft's ModelConfig from SGLang's own config code, the model class its registry picks,
+        the weight files its DefaultModelLoader iterates, then the model's load_weights."""
+        from sglang.srt.configs.load_config import LoadConfig
+        from sglang.srt.model_loader.loader import DefaultModelLoader
+        from sglang.srt.model_loader.utils import get_model_architecture
+
+        from difftest.engines.sglang_engine.launch import deployment_plan
+
+        plan, server_args, draft_config = deployment_plan(options.serving.deployment, target.path, options.device,
+                                                          options.dtype)
+        model_cls, arch = get_model_architecture(draft_config)
+        with _default_dtype(draft_config.dtype), torch.device(options.device):
+            model = model_cls(config=draft_config.hf_config).eval()
+        loader = DefaultModelLoader(LoadConfig(load_format=server_args.load_format))
+        served = ((name, name, tensor) for name, tensor in loader._get_all_weights(draft_config, model))
+        with _loader_bars_follow_tqdm_disable():
+            model, ledger, share = self._load(model, served, target, options, str(server_args.speculative_algorithm),
+                                              server_args.speculative_token_map)
+        details = {"conversion_notes": {}, "served_config": plan.served_config, "lm_head_path": share["path"],
+                   "architecture": arch, "deployment": plan.as_dict()}
+        return model, ledger, details
+
+    def _load(self, model, served, target: TargetWeights, options: RunOptions, algorithm: str, token_map=None):
+        """load_weights over (served name, checkpoint name, tensor), every weight_loader call
+        recorded, then the worker's embedding and head sharing; unwritten parameters poisoned."""
+        recorder = _LoadRecorder(model)
+        served_names: dict[str, str] = {}
+
+        # load_weights turns any name containing "d2t" into hot_token_id: which tensor did is
+        # observed (the attribute changes while that tensor is being loaded), not assumed.
+        token_map_from: list[str] = []
+
+        def weights():
+            for served_name, original, tensor in served:
+                served_names[original] = served_name
+                recorder.current = original
+                before = getattr(model, "hot_token_id", None)
+                yield served_name, tensor
+                if getattr(model, "hot_token_id", None) is not before:
+                    token_map_from.append(original)
+            recorder.current = None
+
+        model.load_weights(weights())
+        recorder.token_map_from = token_map_from
+        share = self._share_target(model, target, options, algorithm, token_map)
+        ledger = self._ledger(model, served_names, recorder, share["shared"])
+        self._poison_unwritten(model, ledger)
+        return model, ledger, share
+
     def run(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, options: RunOptions,
-            chain_steps: int = 0) -> EngineRun:
+            chain_steps: int = 0, chain_states: CapturedStates | None = None) -> EngineRun:
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         standin = ensure_runtime(options.device)
@@ -256,15 +343,30 @@ class SGLangAdapter:
         model, ledger, details = self._build(checkpoint, target, options)
         timings["load"] = time.perf_counter() - t0
 
+        if options.serving.deployment is not None:
+            # What the launch resolves, not a setup knob: EAGLE captures no aux layers.
+            captures = self.capture_plan(checkpoint, target, options).hf_layer_ids is not None
+            options = RunOptions(dtype=model_dtype(model), device=options.device,
+                                 serving=replace(options.serving, aux_capture=captures))
         t0 = time.perf_counter()
-        probes, missing, extend = self._forward(model, target, states, options, max(chain_steps, 1))
+        own_chain = chain_steps > 0 and chain_states is not None
+        probes, missing, extend = self._forward(model, target, states, options, 1 if own_chain else max(chain_steps, 1))
         timings["forward"] = time.perf_counter() - t0
         chain = None
         if chain_steps > 0:
             t0 = time.perf_counter()
-            chain = self._chain(model, states, extend, chain_steps)
-            chain.timings_s["chain"] = timings["forward"] + time.perf_counter() - t0
+            if own_chain:
+                # The chain starts from what this deployment's target would capture: a draft
+                # EXTEND of its own over those states, then the decode steps.
+                *_, extend = self._forward(model, target, chain_states, options, chain_steps, fed_as_captured=True)
+            chain = self._chain(model, chain_states or states, extend, chain_steps)
+            chain.timings_s["chain"] = time.perf_counter() - t0 + (0 if own_chain else timings["forward"])
+            if own_chain:
+                chain.notes.append(f"drafted from the states this deployment's target captures (layers "
+                                   f"{list(chain_states.aux_layer_ids)}), not the training states")
 
+        if chain is not None:
+            details["chain_notes"] = list(chain.notes)
         details["attention_backend"] = extend.kv.attention
         details["sgl_kernel_standin"] = standin.as_dict()
         details["module_graph"] = [f"{n}:{type(m).__name__}" for n, m in model.named_modules()]
@@ -289,13 +391,16 @@ class SGLangAdapter:
     @staticmethod
     def _ledger(model, served_names: dict[str, str], recorder: "_LoadRecorder", shared: list[str]) -> LoadLedger:
         ledger = LoadLedger()
-        # load_weights' own special cases (llama_eagle3.py): d2t becomes hot_token_id, t2d is skipped.
-        special = {"d2t": (TensorFate.IGNORED, "not a parameter: hot_token_id = d2t + arange"),
-                   "t2d": (TensorFate.IGNORED, "load_weights skips t2d")}
+        token_map_from = getattr(recorder, "token_map_from", [])
         for original, served in served_names.items():
-            if original in special:
-                fate, note = special[original]
-                ledger.tensors[original] = (fate, ["hot_token_id"] if original == "d2t" else [], note)
+            if original in token_map_from:
+                last = original == token_map_from[-1]
+                note = ("not a parameter: hot_token_id = this + arange" if last else
+                        f"set hot_token_id, then overwritten by {token_map_from[-1]}")
+                ledger.tensors[original] = (TensorFate.IGNORED if original == "d2t" and last else TensorFate.RENAMED,
+                                            ["hot_token_id"], note)
+            elif "t2d" in served:  # load_weights skips every name containing "t2d" (llama_eagle3.py)
+                ledger.tensors[original] = (TensorFate.IGNORED, [], "load_weights skips names containing t2d")
             elif original in recorder.consumed:
                 fate = TensorFate.RENAMED if served != original else TensorFate.CONSUMED
                 ledger.tensors[original] = (fate, recorder.consumed[original], f"served as {served}" if served != original else "")
@@ -325,14 +430,36 @@ class SGLangAdapter:
             ledger.params[name] = (ParamFate.INIT, "no checkpoint tensor reached its weight_loader; poisoned with NaN")
 
     @staticmethod
-    def _share_target(model, target: TargetWeights, options: RunOptions) -> dict:
-        """Follow the EAGLE worker's init_lm_head: set_embed_and_head or set_embed."""
+    def _share_target(model, target: TargetWeights, options: RunOptions, algorithm: str = "EAGLE3",
+                      token_map: str | None = None) -> dict:
+        """Follow the EAGLE worker's init_token_map and init_lm_head (eagle_worker_v2.py)."""
         with _without_cache_flush(options.device):
+            if algorithm != "EAGLE3":
+                return SGLangAdapter._share_as_eagle(model, target, options, token_map)
             return SGLangAdapter._share_target_weights(model, target, options)
 
     @staticmethod
+    def _share_as_eagle(model, target: TargetWeights, options: RunOptions, token_map: str | None) -> dict:
+        """Not EAGLE3: the worker loads --speculative-token-map as its hot ids (else none),
+        keeps those rows of the target's head and calls set_embed_and_head, whatever the
+        draft's own head; its draft ids are then read through that map, not the draft's d2t."""
+        from sglang.srt.speculative.spec_utils import load_token_map
+
+        dtype = model_dtype(model)
+        embed = target.shared("embed", options.device, dtype)
+        head = target.shared("lm_head", options.device, dtype)
+        hot = load_token_map(token_map) if token_map else None
+        if hot is not None:
+            head = head[hot.to(head.device)]
+        model.set_embed_and_head(embed, head)
+        model.hot_token_id = hot
+        return {"shared": ["model.embed_tokens.weight", "lm_head.weight"],
+                "path": "set_embed_and_head" + (" (rows of --speculative-token-map)" if hot is not None else "")}
+
+    @staticmethod
     def _share_target_weights(model, target: TargetWeights, options: RunOptions) -> dict:
-        dtype, device = options.dtype, options.device
+        device = options.device
+        dtype = model_dtype(model)
         embed = target.shared("embed", device, dtype)
         shared: list[str] = []
         if options.serving.lm_head_from_target or model.load_lm_head_from_target:
@@ -361,13 +488,15 @@ class SGLangAdapter:
         return states.verifier_last_hidden_states
 
     @torch.no_grad()
-    def _forward(self, model, target: TargetWeights, states: CapturedStates, options: RunOptions, kv_rounds: int):
+    def _forward(self, model, target: TargetWeights, states: CapturedStates, options: RunOptions, kv_rounds: int,
+                 fed_as_captured: bool = False):
         """The draft EXTEND, probed. The KV pool has room for kv_rounds tokens per row, so a
-        chain can continue from this very EXTEND (its step 0) instead of running it again."""
+        chain can continue from this very EXTEND (its step 0) instead of running it again.
+        fed_as_captured: the states are already what the serving target hands the draft."""
         from difftest.engines.sglang_engine import batches
 
         device, dtype = options.device, options.dtype
-        hidden = self._draft_input_states(states, options)
+        hidden = states.aux_hidden_states if fed_as_captured else self._draft_input_states(states, options)
         kv = batches.KVSpace(model.config, states.num_tokens * kv_rounds, device, dtype)
         batch, backend, slots = batches.extend_batch(kv, states.input_ids, [int(n) for n in states.seq_lens.tolist()],
                                                      hidden.to(device=device, dtype=dtype))

@@ -1,0 +1,141 @@
+"""Trained versus served, before any forward: every tensor, and every launch setting that
+changes what the draft computes.
+
+Tensors are matched by the name a correct conversion gives them (speculators `layers.0.`
+is the legacy `midlayer.`; everything else keeps its name), and each row says which
+parameter the serving engine's own load_weights put the served tensor into (its ledger),
+so a tensor that is present but lands nowhere shows as such. Config fields are the
+conversion audit's (audit/conversion.py), read from the config the serving engine built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from difftest.audit.findings import Finding, Severity
+from difftest.checkpoint import Checkpoint
+from difftest.convert import legacy_name, speculators_name
+from difftest.engines.base import DeploymentPlan, LoadLedger
+
+CHECK_TENSORS = "served"
+CHECK_LAUNCH = "launch"
+# The engines share the target's embedding whenever the hidden sizes match, so a served
+# directory without one is what a correct conversion may write.
+OPTIONAL_IN_SERVED = ("embed_tokens.weight",)
+
+
+def _compare(trained: torch.Tensor, served: torch.Tensor) -> tuple[str, float | None]:
+    if trained.shape != served.shape:
+        return f"changed: shape {tuple(trained.shape)} -> {tuple(served.shape)}", None
+    if trained.dtype == served.dtype:
+        if torch.equal(trained, served):
+            return "equal (bitwise)", 0.0
+    elif trained.is_floating_point() and served.is_floating_point() and torch.equal(trained.to(served.dtype), served):
+        return f"equal within the cast {str(trained.dtype)[6:]} -> {str(served.dtype)[6:]}", 0.0
+    if not trained.is_floating_point() or not served.is_floating_point():
+        differ = int((trained.long() != served.long()).sum())
+        return f"changed: {differ} of {trained.numel()} entries differ", float(differ)
+    diff = float((trained.float() - served.float()).abs().max())
+    return f"changed: max |diff| {diff:.3g}", diff
+
+
+def check_served_tensors(training: Checkpoint, served: Checkpoint, ledger: LoadLedger) -> tuple[list[dict], list[Finding]]:
+    rows, findings = [], []
+    served_names = set(served.tensor_names())
+    expected: dict[str, str] = {}
+    for name in training.tensor_names():
+        expected[legacy_name(speculators_name(name))] = name
+    for served_name, trained_name in sorted(expected.items()):
+        into = ledger.tensors.get(served_name, (None, [], ""))[1]
+        if served_name not in served_names:
+            optional = speculators_name(trained_name) in OPTIONAL_IN_SERVED
+            rows.append({"training": trained_name, "served": None, "status": "missing", "into": []})
+            findings.append(Finding(CHECK_TENSORS, "served_tensor_missing", Severity.INFO if optional else Severity.ERROR,
+                                    f"{trained_name} has no served counterpart (expected {served_name})"
+                                    + (": the engine shares the target's" if optional else ""),
+                                    {"tensor": trained_name, "expected": served_name}))
+            continue
+        status, diff = _compare(training.get(trained_name), served.get(served_name))
+        rows.append({"training": trained_name, "served": served_name, "status": status, "into": into})
+        if status.startswith("changed"):
+            findings.append(Finding(CHECK_TENSORS, "served_tensor_changed", Severity.ERROR,
+                                    f"served {served_name} is not the trained {trained_name}: {status}",
+                                    {"tensor": served_name, "max_abs_diff": diff}))
+    for extra in sorted(served_names - set(expected)):
+        into = ledger.tensors.get(extra, (None, [], ""))[1]
+        rows.append({"training": None, "served": extra, "status": "extra", "into": into})
+        findings.append(Finding(CHECK_TENSORS, "served_tensor_extra", Severity.INFO,
+                                f"served {extra} has no training counterpart"
+                                + (f"; loaded into {into}" if into else "; no parameter took it"), {"tensor": extra}))
+    return rows, findings
+
+
+def config_rows(training: Checkpoint, served: Checkpoint) -> list[dict]:
+    """Every served config field against what a correct conversion writes: carried, changed,
+    dropped, added. Which of these change the forward is the conversion audit's (FIELDS) and
+    the measured config audit's question; this table is the whole picture."""
+    from difftest.checkpoint import CheckpointFormat
+    from difftest.convert import legacy_config
+
+    expected = legacy_config(training.config).config if training.format is CheckpointFormat.SPECULATORS else training.config
+    got = served.config
+    rows = []
+    for key in sorted(set(expected) | set(got)):
+        if key in ("torch_dtype", "dtype", "transformers_version"):
+            continue  # the stored precision is the launch audit's, and versions compute nothing
+        if key not in got:
+            status = "dropped"
+        elif key not in expected:
+            status = "added"
+        else:
+            status = "carried" if got[key] == expected[key] else "changed"
+        rows.append({"field": key, "expected": expected.get(key), "served": got.get(key), "status": status})
+    return rows
+
+
+def _hot_ids(served: Checkpoint) -> torch.Tensor | None:
+    if not served.has("d2t"):
+        return None
+    d2t = served.get("d2t").long()
+    return d2t + torch.arange(d2t.numel())
+
+
+def check_launch(plan: DeploymentPlan, reference_dtype: torch.dtype, training: Checkpoint) -> tuple[list[dict], list[Finding]]:
+    rows = [dict(f.__dict__) for f in plan.flags]
+    for row in rows:
+        row["value"] = row["value"] if isinstance(row["value"], (int, float, str, bool, type(None))) else str(row["value"])
+    findings: list[Finding] = []
+    by_flag = {f.flag: f for f in plan.flags}
+    algorithm = str(by_flag["--speculative-algorithm"].value)
+    if algorithm != "EAGLE3":
+        findings.append(Finding(CHECK_LAUNCH, "speculative_algorithm_not_eagle3", Severity.ERROR,
+                                f"--speculative-algorithm {algorithm} for an EAGLE-3 draft: the target captures no aux "
+                                "layers and the worker replaces the draft's head with the target's",
+                                {"algorithm": algorithm}))
+    if plan.dtype != reference_dtype:
+        findings.append(Finding(CHECK_LAUNCH, "served_dtype_differs", Severity.ERROR,
+                                f"the launch runs the draft in {str(plan.dtype)[6:]}; training's checkpoint is "
+                                f"{str(reference_dtype)[6:]}", {"served": str(plan.dtype)[6:],
+                                                                 "training": str(reference_dtype)[6:]}))
+    token_map = by_flag.get("--speculative-token-map")
+    if token_map is not None:
+        hot = torch.tensor(torch.load(str(token_map.value), weights_only=True), dtype=torch.int64).flatten()
+        trained = _hot_ids(training)
+        agree = trained is not None and hot.shape == trained.shape and torch.equal(hot, trained)
+        how = ("equals the trained d2t's target ids" if agree else
+               f"disagrees with the trained d2t ({hot.numel()} ids against "
+               f"{'no d2t' if trained is None else trained.numel()})" if trained is None or hot.shape != trained.shape
+               else f"disagrees with the trained d2t in {int((hot != trained).sum())} of {hot.numel()} ids")
+        if algorithm == "EAGLE3":
+            findings.append(Finding(CHECK_LAUNCH, "speculative_token_map_ignored", Severity.INFO,
+                                    f"--speculative-token-map {how}; SGLang's EAGLE3 worker ignores it "
+                                    "(init_token_map) and uses the served d2t", {"agrees": agree}))
+        elif not agree:
+            findings.append(Finding(CHECK_LAUNCH, "speculative_token_map_differs", Severity.ERROR,
+                                    f"--speculative-token-map {how}: the worker reads draft ids through it",
+                                    {"agrees": agree}))
+    for flag in plan.flags:
+        if flag.simulated.startswith("not simulated"):
+            findings.append(Finding(CHECK_LAUNCH, "launch_flag_not_simulated", Severity.INFO,
+                                    f"{flag.flag} {flag.value}: {flag.simulated}", {"flag": flag.flag}))
+    return rows, findings

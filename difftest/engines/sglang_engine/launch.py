@@ -1,0 +1,147 @@
+"""A user's SGLang launch command, read by SGLang's own server-argument parser.
+
+Nothing here pattern-matches flags: the command goes through `ServerArgs.add_cli_args`
+and `ServerArgs.from_cli_args`, exactly as `python -m sglang.launch_server` parses it, and
+every resolved value is read back through SGLang's `resolving_view` and `ModelConfig`.
+What this module adds is the launcher prefix (which program was named), paths made
+relative to where the command lives, and the table of settings that change what the draft
+computes, with what difftest could simulate of each on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+from pathlib import Path
+
+import torch
+
+from difftest.engines.base import Deployment, DeploymentPlan, LaunchFlag
+from difftest.errors import InputError
+
+# The ways a launch command names SGLang's server, as argv prefixes.
+LAUNCHERS = (("-m", "sglang.launch_server"), ("sglang", "serve"), ("sglang.launch_server",))
+# The EAGLE worker's tree drafting (topk > 1) runs kernels that exist only for GPUs.
+SIMULATED_TOPK = 1
+PATH_FLAGS = ("model_path", "speculative_draft_model_path", "speculative_token_map")
+
+
+def server_arguments(argv: tuple[str, ...], source: str) -> list[str]:
+    """The arguments after the launcher: `[ENV=..] python -m sglang.launch_server ARGS`,
+    `sglang serve ARGS`, or ARGS alone."""
+    args = list(argv)
+    while args and "=" in args[0] and not args[0].startswith("-"):
+        args.pop(0)  # VAR=value prefixes set the environment, not server arguments
+    for i in range(len(args)):
+        for launcher in LAUNCHERS:
+            if tuple(args[i:i + len(launcher)]) == launcher:
+                return args[i + len(launcher):]
+    if args and args[0].startswith("-"):
+        return args
+    raise InputError(f"{source}: not an SGLang launch command (expected `python -m sglang.launch_server ...`, "
+                     f"`sglang serve ...` or its arguments alone): {' '.join(argv)[:120]}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="sglang serve")
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def parse_launch(deployment: Deployment, target_path: Path, device: str):
+    """ServerArgs for this command, as SGLang's parser reads it. The target's path is the
+    local one difftest was given (a hub id in the command cannot be fetched here); the draft
+    path must be the served directory being checked."""
+    from sglang.srt.server_args import ServerArgs
+
+    args = server_arguments(deployment.launch_argv, deployment.source)
+    parser = _parser()
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            raw = parser.parse_args(args)
+    except SystemExit:
+        said = [line for line in errors.getvalue().splitlines() if "error:" in line]
+        why = said[-1].split("error:", 1)[1].strip() if said else "refused"
+        raise InputError(f"{deployment.source}: SGLang's server-argument parser refused the command: {why}") from None
+    notes = []
+    for name in PATH_FLAGS:
+        value = getattr(raw, name, None)
+        if value and not os.path.isabs(value) and (deployment.base_dir / value).exists():
+            setattr(raw, name, str((deployment.base_dir / value).resolve()))
+    if raw.speculative_algorithm is None:
+        raise InputError(f"{deployment.source}: the command has no --speculative-algorithm, so SGLang would serve "
+                         "the target without any draft")
+    served = deployment.served_dir.resolve()
+    named = raw.speculative_draft_model_path
+    if named is None:
+        notes.append(f"--speculative-draft-model-path not given: the served directory {served} is used")
+    elif not Path(named).exists() or Path(named).resolve() != served:
+        raise InputError(f"{deployment.source}: --speculative-draft-model-path {named} is not the served directory "
+                         f"{served} (relative paths resolve against {deployment.base_dir})")
+    raw.speculative_draft_model_path = str(served)
+    if raw.model_path and Path(raw.model_path).resolve() != Path(target_path).resolve():
+        notes.append(f"--model-path {raw.model_path}: the target is read from {target_path}")
+    raw.model_path = str(target_path)
+    raw.device = device.split(":")[0]
+    server_args = ServerArgs.from_cli_args(raw)
+    return server_args, {a.dest for a in parser._actions if _given(a, args)}, notes
+
+
+def _given(action: argparse.Action, args: list[str]) -> bool:
+    return any(a == opt or a.startswith(opt + "=") for a in args for opt in action.option_strings)
+
+
+def deployment_plan(deployment: Deployment, target_path: Path, device: str, reference_dtype: torch.dtype):
+    """The launch resolved by SGLang: the draft's dtype from its own ModelConfig, the chain
+    length and tree shape from `resolving_view`, and each setting that changes the draft."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.configs.model_config import ModelConfig
+
+    server_args, given, notes = parse_launch(deployment, target_path, device)
+    resolved = resolving_view(server_args)
+    draft_config = ModelConfig.from_server_args(server_args, model_path=str(deployment.served_dir.resolve()),
+                                                is_draft_model=True)
+    algorithm = str(resolved.speculative_algorithm)
+    steps = int(resolved.speculative_num_steps or 1)
+    topk = int(resolved.speculative_eagle_topk or 1)
+    flags = [
+        LaunchFlag("--speculative-algorithm", algorithm,
+                   "EAGLE3: the target captures the draft's aux layers and the draft keeps its own head; EAGLE: no aux "
+                   "capture (one target layer, fc skipped) and the target's head replaces the draft's",
+                   "as given" if algorithm in ("EAGLE", "EAGLE3") else f"not simulated: difftest runs EAGLE/EAGLE3 drafts only",
+                   "speculative_algorithm" in given),
+        LaunchFlag("--dtype", str(draft_config.dtype).removeprefix("torch."),
+                   "the draft's weights and activations dtype (auto: the served config's torch_dtype)", "as given",
+                   "dtype" in given),
+        LaunchFlag("--speculative-num-steps", steps, "how many chained draft steps each round proposes",
+                   "as given: the chain length of the predicted acceptance", "speculative_num_steps" in given),
+        LaunchFlag("--speculative-eagle-topk", topk, "branches per draft step (a tree above 1)",
+                   "as given" if topk <= SIMULATED_TOPK else
+                   f"not simulated: SGLang's tree drafting (topk {topk}) runs GPU-only kernels; difftest simulates "
+                   f"topk={SIMULATED_TOPK}, the chain along each tree's first branch", "speculative_eagle_topk" in given),
+    ]
+    if resolved.speculative_token_map is not None:
+        flags.append(LaunchFlag("--speculative-token-map", resolved.speculative_token_map,
+                                "EAGLE: the draft vocab's target ids (the target head's rows kept); EAGLE3: ignored by "
+                                "the worker (init_token_map), the served d2t is used", "as given", True))
+    for dest, flag, effect in (("speculative_draft_model_quantization", "--speculative-draft-model-quantization",
+                                "the draft's weights quantized"),
+                               ("quantization", "--quantization", "the target's (and by default the draft's) weights quantized"),
+                               ("kv_cache_dtype", "--kv-cache-dtype", "the draft's attention reads a KV cache at this dtype"),
+                               ("json_model_override_args", "--json-model-override-args",
+                                "config fields overridden for the target and the draft")):
+        value = getattr(resolved, dest, None)
+        if dest in given and value not in (None, "", "auto", "{}"):
+            how = ("as given: applied by SGLang's ModelConfig" if dest == "json_model_override_args"
+                   else "not simulated: difftest runs the draft unquantized at --dtype with a KV cache at that dtype")
+            flags.append(LaunchFlag(flag, value, effect, how, True))
+    if draft_config.dtype != reference_dtype:
+        notes.append(f"the draft runs in {flags[1].value}; training's reference runs in "
+                     f"{str(reference_dtype).removeprefix('torch.')}")
+    return DeploymentPlan(dtype=draft_config.dtype, chain_steps=steps, flags=flags,
+                          served_config=draft_config.hf_config.to_dict(), notes=notes), server_args, draft_config

@@ -1,0 +1,168 @@
+"""The deployment itself: a served directory and the SGLang launch command, checked against the
+training checkpoint through the CLI, and `difftest convert`, which must prove what it writes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from difftest.faults import FAULTS, Workspace
+from difftest.fixturegen.default import tiny_fixture
+from difftest.report import validate_report
+from difftest.states import load_states
+
+DEPLOYMENT_FAULTS = [f for f in FAULTS if f.deployed]
+
+
+def _difftest(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "difftest.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _deployed_workspace(tmp_path: Path) -> Workspace:
+    fx = tiny_fixture()
+    ws = Workspace.copy_of(fx.checkpoint, load_states(fx.states), fx.target, tmp_path, torch.float32)
+    ws.deploy()
+    return ws
+
+
+def _report(ws: Workspace, out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    launch = ws.root / "launch.txt"
+    launch.write_text(shlex.join(ws.launch) + "\n")
+    proc = _difftest("report", str(ws.checkpoint), "--target", str(ws.target), "--states", str(ws.states_file()),
+                     "--serve", str(ws.served), "--launch-file", str(launch), "--out", str(out), "-q", *extra)
+    path = out / "report.json"
+    return proc, json.loads(path.read_text()) if path.is_file() else None
+
+
+def test_the_catalog_has_every_deployment_fault_the_issue_names():
+    classes = " ".join(f.bug_class for f in DEPLOYMENT_FAULTS)
+    for words in ("renamed by hand", "arange", "EAGLE for an EAGLE-3", "verbatim", "norm_before_fc missing",
+                  "lm_head.weight missing", "--speculative-token-map", "another dtype"):
+        assert words in classes, words
+
+
+def test_a_correct_served_copy_and_command_is_parity(tmp_path):
+    ws = _deployed_workspace(tmp_path / "ws")
+    before = _tree_digest(ws.served) | {f"ckpt/{k}": v for k, v in _tree_digest(ws.checkpoint).items()}
+    proc, rep = _report(ws, tmp_path / "out")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert rep["verdict"] == "PARITY"
+    validate_report(rep)
+    dep = rep["deployment"]
+    assert {r["status"] for r in dep["tensors"]} == {"equal (bitwise)"}
+    assert all(r["status"] == "carried" for r in dep["config"])
+    assert dep["plan"]["chain_steps"] == int(ws.launch[ws.launch.index("--speculative-num-steps") + 1])
+    # Nothing the user gave is modified.
+    assert before == _tree_digest(ws.served) | {f"ckpt/{k}": v for k, v in _tree_digest(ws.checkpoint).items()}
+
+
+@pytest.mark.parametrize("fault", DEPLOYMENT_FAULTS, ids=lambda f: f.name)
+def test_each_deployment_fault_is_caught_at_its_place_through_the_cli(fault, tmp_path):
+    ws = _deployed_workspace(tmp_path / "ws")
+    fault.inject(ws)
+    # The measured config audit answers how SGLang reads each field, which no deployment changes.
+    proc, rep = _report(ws, tmp_path / "out", "--no-audit-config")
+    assert rep is not None, proc.stderr
+    if fault.notice_only:
+        assert proc.returncode == 0 and rep["verdict"] == "PARITY", proc.stdout
+        notices = [f for f in rep["audit"]["findings"] if f["cause"] == fault.diagnosis]
+        assert notices and f"audit:{notices[0]['check']}" == fault.caught_at
+        return
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert (rep["diagnosis"]["found_at"], rep["diagnosis"]["cause"]) == (fault.caught_at, fault.diagnosis)
+    assert proc.stdout.startswith("DIVERGED")
+
+
+def test_a_launch_flag_sglang_does_not_know_is_exit_2_naming_it(tmp_path):
+    ws = _deployed_workspace(tmp_path / "ws")
+    ws.launch += ["--speculative-draft-magic", "7"]
+    proc, rep = _report(ws, tmp_path / "out")
+    assert proc.returncode == 2 and rep is None
+    assert proc.stderr.count("\n") == 1 and "--speculative-draft-magic" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda ws: ws.set_launch_flag("--speculative-draft-model-path", str(ws.checkpoint)), "is not the served directory"),
+    (lambda ws: ws.launch.__delitem__(slice(ws.launch.index("--speculative-algorithm"),
+                                            ws.launch.index("--speculative-algorithm") + 2)), "no --speculative-algorithm"),
+    (lambda ws: ws.launch.__setitem__(slice(0, 3), ["python", "serve.py"]), "not an SGLang launch command"),
+])
+def test_a_launch_that_does_not_serve_this_directory_is_exit_2(tmp_path, edit, words):
+    ws = _deployed_workspace(tmp_path / "ws")
+    edit(ws)
+    proc, rep = _report(ws, tmp_path / "out")
+    assert proc.returncode == 2 and rep is None, proc.stdout + proc.stderr
+    assert words in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_serve_without_a_launch_command_is_exit_2(tmp_path):
+    fx = tiny_fixture()
+    proc = _difftest("report", str(fx.checkpoint), "--serve", str(fx.legacy), "--out", str(tmp_path))
+    assert proc.returncode == 2 and "--launch" in proc.stderr and not (tmp_path / "report.json").exists()
+
+
+def test_a_tree_launch_is_reported_as_not_simulated(tmp_path):
+    ws = _deployed_workspace(tmp_path / "ws")
+    ws.set_launch_flag("--speculative-eagle-topk", "4")
+    ws.set_launch_flag("--speculative-num-draft-tokens", "8")
+    proc, rep = _report(ws, tmp_path / "out")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    topk = next(r for r in rep["deployment"]["launch"] if r["flag"] == "--speculative-eagle-topk")
+    assert topk["value"] == 4 and topk["simulated"].startswith("not simulated")
+    assert any(f["cause"] == "launch_flag_not_simulated" for f in rep["audit"]["findings"])
+
+
+def test_convert_writes_a_served_directory_and_proves_parity_on_it(tmp_path):
+    fx = tiny_fixture()
+    before = _tree_digest(fx.checkpoint)
+    out = tmp_path / "served"
+    proc = _difftest("convert", str(fx.checkpoint), str(out), "--reports", str(tmp_path / "reports"), "-q")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _tree_digest(fx.checkpoint) == before
+    command = next(line.strip() for line in proc.stdout.splitlines() if "sglang.launch_server" in line)
+    assert f"--speculative-draft-model-path {out.resolve()}" in command
+    assert "parity proven" in proc.stdout
+    rep = json.loads((tmp_path / "reports" / "report.json").read_text())
+    assert rep["verdict"] == "PARITY" and rep["deployment"]["launch_argv"] == shlex.split(command)
+    # The printed command, fed back through --launch, is the same deployment.
+    again = _difftest("report", str(fx.checkpoint), "--serve", str(out), "--launch", command, "--out",
+                      str(tmp_path / "again"), "-q", "--no-audit-config", "--chain-steps", "0")
+    assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_convert_never_writes_into_the_training_checkpoint_or_over_a_directory(tmp_path):
+    fx = tiny_fixture()
+    proc = _difftest("convert", str(fx.checkpoint), str(fx.checkpoint / "served"))
+    assert proc.returncode == 2 and "never writes into its inputs" in proc.stderr
+    assert not (fx.checkpoint / "served").exists()
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    proc = _difftest("convert", str(fx.checkpoint), str(taken))
+    assert proc.returncode == 2 and (taken / "keep.txt").read_text() == "mine"
+
+
+def test_a_failed_conversion_leaves_no_half_directory(tmp_path, monkeypatch):
+    from difftest import convert
+    from difftest.checkpoint import load_checkpoint
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(convert, "save_file", disk_full)
+    with pytest.raises(OSError):
+        convert.served_copy(load_checkpoint(tiny_fixture().checkpoint), tmp_path / "served")
+    assert list(tmp_path.iterdir()) == []
+
