@@ -80,8 +80,11 @@ def rope_of(layer_cfg: dict) -> tuple[float, dict | None]:
     params = layer_cfg.get("rope_parameters") or {}
     theta = params.get("rope_theta", layer_cfg.get("rope_theta", 10000.0))
     scaling = layer_cfg.get("rope_scaling")
-    if scaling is None and params and params.get("rope_type", "default") != "default":
+    if scaling is None and params and params.get("rope_type", params.get("type", "default")) != "default":
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling is not None and "type" in scaling and scaling.get("rope_type", scaling["type"]) == scaling["type"]:
+        # `type` is the older spelling of `rope_type`; SGLang's ModelConfig writes both.
+        scaling = {"rope_type": scaling["type"], **{k: v for k, v in scaling.items() if k != "type"}}
     return float(theta), scaling
 
 
@@ -264,6 +267,12 @@ def _index_tensors(path: Path) -> tuple[dict[str, Path], list[str]]:
             raise InputError(f"{path / INDEX_FILE}: maps {key} to {name}, which does not hold it")
     ignored = [f.name for f in files if f not in shards]
     return names, ignored
+
+
+def check_weight_files(path: Path) -> None:
+    """The weight files a loader would read from `path` (through its index, when it has one)
+    exist and hold what the index says, whatever the config: refused with one line otherwise."""
+    _index_tensors(path)
 
 
 def _safetensors_copy_of_pickles(path: Path):

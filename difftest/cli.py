@@ -211,6 +211,11 @@ def read_deployment(serve: Path | None, launch: str | None, launch_file: Path | 
         raise InputError(f"--serve {serve}: not a directory")
     if not (serve / "config.json").is_file():
         raise InputError(f"--serve {serve}: no config.json (a served draft directory holds the config SGLang reads)")
+    from difftest.checkpoint import check_weight_files
+
+    # The weight files as the serving loader picks them (through the index): a shard it names
+    # but that is missing is refused here, before any engine starts. The config is SGLang's to read.
+    check_weight_files(serve)
     if launch_file is not None:
         try:
             text, base, source = launch_file.read_text(), launch_file.resolve().parent, f"--launch-file {launch_file}"
@@ -277,10 +282,11 @@ NOT_REMOVABLE_BY_CONVERSION = {
 @app.command()
 def convert(
     checkpoint: Path = typer.Argument(..., help="the training checkpoint (speculators or legacy format); never written to"),
-    out: Path = typer.Argument(..., help="the served directory to write (must not exist, or be empty)"),
+    out: Path = typer.Argument(..., help="the served directory to write (must not exist or be empty, unless --force)"),
     target: Optional[Path] = typer.Option(None, help="HF target model dir (default: as `difftest report` finds it)"),
     states: Optional[Path] = typer.Option(None, help="captured hidden states for the parity report (default: as `report` finds them)"),
     reports: Path = typer.Option(Path("reports/convert"), help="where the parity report on the output goes"),
+    force: bool = typer.Option(False, "--force", help="replace an existing OUT directory (written beside it, then swapped in)"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="print only the launch command and the verdict line"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="show engine logs and tracebacks"),
 ) -> None:
@@ -290,7 +296,7 @@ def convert(
 
     try:
         with output_dir(reports, (checkpoint, target, states, out), flag="--reports"):
-            rep, paths = _convert(checkpoint, out, target, states, reports, quiet)
+            rep, paths = _convert(checkpoint, out, target, states, reports, quiet, force)
     except InputError as exc:
         fail(str(exc))
     except typer.Exit:
@@ -313,7 +319,7 @@ def convert(
     raise typer.Exit(EXIT_DIVERGED)
 
 
-def _convert(checkpoint: Path, out: Path, target, states, reports: Path, quiet: bool):
+def _convert(checkpoint: Path, out: Path, target, states, reports: Path, quiet: bool, force: bool = False):
     import shlex
     import time
 
@@ -327,12 +333,14 @@ def _convert(checkpoint: Path, out: Path, target, states, reports: Path, quiet: 
 
     refuse_inside_inputs(out, (checkpoint, target, states), flag="OUT")
     dest = out.resolve()
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise InputError(f"{out}: already exists and is not an empty directory; choose a new path")
+    if dest.exists() and not dest.is_dir():
+        raise InputError(f"{out}: exists and is not a directory; choose a new path")
+    if dest.exists() and any(dest.iterdir()) and not force:
+        raise InputError(f"{out}: already exists and is not empty; choose a new path, or pass --force to replace it")
     ckpt = load_checkpoint(checkpoint)
     validate_checkpoint(ckpt)
     target_path = pipeline.resolve_target_path(ckpt, target)
-    if dest.exists():
+    if dest.exists() and not any(dest.iterdir()):
         dest.rmdir()  # empty: the atomic rename below needs the name free
     t0 = time.perf_counter()
     try:

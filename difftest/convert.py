@@ -120,8 +120,15 @@ def _write(out_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Non
         shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves nothing behind
         raise
     if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+        # Replacing (convert --force): the old directory is moved aside, not deleted, until the
+        # new one holds its name, so no moment leaves the name empty or half written.
+        old = out_dir.with_name(out_dir.name + ".replaced")
+        shutil.rmtree(old, ignore_errors=True)
+        out_dir.rename(old)
+        tmp.rename(out_dir)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out_dir)
 
 
 def speculators_to_legacy(src: str | Path | Checkpoint, out_dir: str | Path) -> Conversion:

@@ -41,13 +41,34 @@ class Rule:
 D2T_FIX = "Store d2t as offsets, target = draft + d2t[draft], with t2d the boolean mask of the same ids; rebuild both from the training vocab mapping."
 
 RULES: tuple[Rule, ...] = (
+    # Nothing else can be said about a deployment whose server would not start.
+    Rule("served_format_not_servable", findings=("served_format_not_servable",),
+         explanation=("The served directory is in speculators' format (config.json with speculators_config and "
+                      "architectures Eagle3DraftModel, no model_type). SGLang reads a draft's config through "
+                      "transformers' AutoConfig, which refuses it: a server launched with this command fails at start, "
+                      "before any weight is loaded. Nothing was served, so nothing was compared."),
+         fix=("Serve the legacy layout: `difftest convert TRAIN_CKPT OUT` writes it (aux ids in SGLang's convention, "
+              "d2t offsets, every field SGLang reads) and prints the launch command. Or keep this directory and add "
+              "--decrypted-draft-config-file F, F being a legacy config.json for it (SGLang loads layers.0.* names).")),
     # The launch command decides the rest of the wiring, so it is named before what it causes.
+    Rule("served_config_not_servable", findings=("served_config_not_servable",),
+         explanation=("SGLang cannot build the draft's model class from the served config.json (the error is in the "
+                      "evidence): a server launched with this command fails at start, before any weight is loaded. "
+                      "Nothing was served, so nothing was compared."),
+         fix=("Write the config `difftest convert TRAIN_CKPT OUT` writes: every field SGLang reads, draft_vocab_size "
+              "(the lm_head's rows) and target_hidden_size included.")),
     Rule("speculative_algorithm_not_eagle3", findings=("speculative_algorithm_not_eagle3",),
          explanation=("The launch command serves an EAGLE-3 draft with --speculative-algorithm EAGLE. SGLang then "
                       "resolves no aux hidden-state capture (the draft gets the target's last state, and fc is skipped "
                       "by the width check) and its EAGLE worker replaces the draft's own head with the target's "
                       "(set_embed_and_head). Nothing fails; acceptance collapses."),
          fix="Launch with --speculative-algorithm EAGLE3."),
+    Rule("launch_override_reaches_draft", findings=("launch_override_reaches_draft",),
+         explanation=("The launch command's --json-model-override-args is applied by SGLang's ModelConfig to the "
+                      "draft's config as well as the target's, so the draft is served with a field value its "
+                      "directory does not hold and training did not use."),
+         fix=("Drop the field from --json-model-override-args (an override meant for the target reaches the draft "
+              "too), or set it in the served config.json to what training used.")),
     Rule("speculative_token_map_differs", findings=("speculative_token_map_differs",),
          explanation="The worker reads draft ids through --speculative-token-map, which is not the map the draft was trained with.",
          fix="Drop --speculative-token-map and launch with --speculative-algorithm EAGLE3: the served d2t is then used."),

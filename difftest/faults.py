@@ -255,6 +255,20 @@ def _served_other_dtype(ws: Workspace) -> None:
     ws.set_launch_flag("--dtype", "bfloat16" if ws.run_dtype == torch.float32 else "float32")
 
 
+def _served_rope_theta_changed(ws: Workspace) -> None:
+    def edit(c: dict) -> None:
+        params = c.setdefault("rope_parameters", {"rope_type": "default"})
+        params["rope_theta"] = 10 * float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+        c.pop("rope_theta", None)
+    ws.edit_served_config(edit)
+
+
+def _launch_without_dtype(ws: Workspace) -> None:
+    ws.edit_served_config(lambda c: (c.pop("torch_dtype", None), c.pop("dtype", None)))
+    i = ws.launch.index("--dtype")
+    del ws.launch[i:i + 2]
+
+
 FAULTS: tuple[Fault, ...] = (
     # sglang 0.5.23 maps both midlayer.* and layers.0.* itself; a name it has no rule for
     # (here a 1-based layer index from a converter) is what it still drops without a word.
@@ -307,6 +321,20 @@ FAULTS: tuple[Fault, ...] = (
           "audit:capture", "aux_layers_off_by_one", _served_aux_ids_verbatim, deployed=True),
     Fault("served_norm_flag_missing", "norm_before_fc missing from a hand-written served config",
           "fc.input", "config_flag_not_carried", _served_norm_flag_missing, deployed=True),
+    Fault("served_config_field_changed", "a config field changed in the served copy only (rope theta x10)",
+          "layer0.attn_output", "rope_mismatch", _served_rope_theta_changed, deployed=True),
+    Fault("launch_override_reaches_draft", "--json-model-override-args meant for the target (linear rope scaling "
+          "for a longer context) reaches the draft", "layer0.attn_output", "launch_override_reaches_draft",
+          lambda ws: ws.set_launch_flag("--json-model-override-args",
+                                        '{"rope_scaling": {"rope_type": "linear", "factor": 4.0}}'), deployed=True),
+    Fault("launch_without_dtype", "no --dtype in the launch, and a served config that names no dtype: SGLang "
+          "serves it in fp16", "audit:launch", "served_dtype_differs", _launch_without_dtype, deployed=True),
+    Fault("served_draft_vocab_size_missing", "draft_vocab_size missing from a hand-written served config: SGLang "
+          "cannot build the draft, a server would not start", "audit:launch", "served_config_not_servable",
+          lambda ws: ws.edit_served_config(lambda c: c.pop("draft_vocab_size")), deployed=True),
+    Fault("served_tie_word_embeddings_set", "tie_word_embeddings switched on in the served config: the target's "
+          "embedding served as the head", "logits", "tied_embeddings",
+          lambda ws: ws.edit_served_config(lambda c: c.__setitem__("tie_word_embeddings", True)), deployed=True),
     Fault("served_lm_head_missing", "lm_head.weight missing from the served directory",
           "logits", "lm_head_missing", lambda ws: ws.edit_served_tensors(lambda t: t.pop("lm_head.weight")), deployed=True),
     Fault("launch_token_map_disagrees", "a --speculative-token-map that disagrees with the trained d2t "

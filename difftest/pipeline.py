@@ -16,7 +16,7 @@ from difftest.checkpoint import Checkpoint, load_checkpoint
 from difftest.compare import Comparison, compare_runs
 from difftest.diagnosis import Diagnosis, rank_by_cost
 from difftest.engines.base import EngineAdapter, EngineRun, RunOptions, ServingSetup
-from difftest.errors import InputError
+from difftest.errors import InputError, ServingRefused
 from difftest.noise import noise_floor
 from difftest.states import CapturedStates, check_states_fit, first_id_outside, load_states
 from difftest.target import TargetWeights, load_target
@@ -171,7 +171,10 @@ def run(
     t0 = time.perf_counter()
     # A launch command decides the serving draft's dtype and chain length; the reference
     # drafts the same number of steps so the two predictions are comparable.
-    deployment = candidate.deployment_plan(inputs.checkpoint, inputs.target, options)
+    try:
+        deployment = candidate.deployment_plan(inputs.checkpoint, inputs.target, options)
+    except ServingRefused as refused:
+        return refused_deployment(inputs, options, refused, reference, candidate, on_step)
     cand_options = options if deployment is None else replace(options, dtype=deployment.dtype)
     if deployment is not None and chain_steps > 0:
         chain_steps = deployment.chain_steps
@@ -180,7 +183,7 @@ def run(
     serving_plan = candidate.capture_plan(inputs.checkpoint, inputs.target, options)
     chain_states = None
     if chain_steps > 0:
-        chain_states = serving_capture_states(inputs, serving_plan, on_step)
+        chain_states = serving_capture_states(inputs, serving_plan, candidate, cand_options, on_step)
     on_step(f"{reference.name}: load, forward{chained}")
     ref_run = reference.run(inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=dtype, device=device),
                             chain_steps=chain_steps)
@@ -248,27 +251,59 @@ def run(
     )
 
 
-def serving_capture_states(inputs: RunInputs, serving_plan, on_step: Callable[[str], None]) -> CapturedStates | None:
-    """What the serving target hands its draft, when its capture plan differs from the
-    layers the states hold: the same target's layer boundaries, at the serving plan's ids
-    (in the neutral HF convention), or its last layer when it captures none. None when the
-    plans agree (the states are then what it captures, which the capture audit measures)."""
+def refused_deployment(inputs: RunInputs, options: RunOptions, refused: ServingRefused, reference: EngineAdapter,
+                       candidate: EngineAdapter, on_step: Callable[[str], None]) -> RunResult:
+    """The serving engine refuses the served directory before any forward, as its server would
+    refuse to start: the verdict names that, with what the user can do. The training side still
+    runs (its probes are in the report); nothing is compared, since nothing would be served."""
+    from difftest.audit.findings import Finding, Severity
+    from difftest.compare import Comparison
+
+    t0 = time.perf_counter()
+    on_step(f"{reference.name}: load, forward")
+    ref_run = reference.run(inputs.checkpoint, inputs.target, inputs.states, replace(options, serving=ServingSetup()))
+    why = f"not run: {refused.engine} refuses the served directory (the launch finding says why)"
+    cand_run = EngineRun(candidate.name, probes={}, missing={name: why for name in ref_run.probes},
+                         details={"refused": refused.reason})
+    finding = Finding("launch", refused.cause, Severity.ERROR,
+                      f"{refused.engine} refuses {refused.served_dir} before loading a weight: {refused.reason}",
+                      {"served_dir": refused.served_dir, "engine_error": refused.reason})
+    deployment = options.serving.deployment
+    served = {"served_dir": str(deployment.served_dir), "launch_argv": list(deployment.launch_argv),
+              "plan": {"dtype": "not resolved", "chain_steps": 0, "flags": [], "notes": [finding.message]},
+              "tensors": [], "config": [], "launch": [], "refused": refused.reason}
+    # Every probe is listed as not computed, with why; the cause is the refusal itself, found
+    # by the launch audit, never paired with a probe it did not make diverge.
+    tol = tolerance_for(options.dtype)
+    comparison = compare_runs(ref_run.probes, {}, tol, cand_run.missing)
+    return RunResult(inputs=inputs, options=options, tolerance=tol, reference=ref_run, candidate=cand_run,
+                     comparison=comparison, diagnosis=rank_by_cost(Comparison([]), [finding]),
+                     noise_floor=None, timings_s={"engines": time.perf_counter() - t0}, findings=[finding],
+                     deployment=served)
+
+
+def serving_capture_states(inputs: RunInputs, serving_plan, candidate: EngineAdapter, options: RunOptions,
+                           on_step: Callable[[str], None]) -> CapturedStates | None:
+    """What the serving target hands its draft under this deployment, when its capture plan
+    differs from the layers the states hold: the serving engine's own target forward over the
+    same sequences, with the capture its own code sets up (no aux capture: the hidden state it
+    keeps instead). None when the plans agree (the states are then what it captures, which
+    the capture audit measures) or when the states carry no first tokens to rebuild from."""
     from dataclasses import replace as with_fields
 
-    from difftest.audit.target_capture import draft_row_index
-    from difftest.target import hf_layer_states
+    from difftest.audit.target_capture import draft_rows
 
     wanted = serving_plan.hf_layer_ids
     if wanted is not None and list(wanted) == list(inputs.states.aux_layer_ids):
         return None
     sequences = inputs.states.sequences()
     if sequences is None:
-        return None  # no first tokens: the full sequences cannot be rebuilt; the chain reads the states
-    on_step("target: the layers the serving side captures, for its chain")
-    layers = hf_layer_states(inputs.target.path, sequences)[:, draft_row_index(inputs.states)]
-    ids = list(wanted) if wanted is not None else [layers.shape[0] - 1]
-    hidden = torch.cat([layers[k] for k in ids], dim=-1)
-    return with_fields(inputs.states, aux_hidden_states=hidden, aux_layer_ids=tuple(ids))
+        return None
+    on_step(f"{candidate.name}: target forward with this deployment's capture, for its chain")
+    served = candidate.capture_target(inputs.checkpoint, inputs.target, sequences, options)
+    ids = served.hf_layer_ids if served.hf_layer_ids is not None else [inputs.target.num_layers]
+    return with_fields(inputs.states, aux_hidden_states=draft_rows(served, inputs.states).float(),
+                       aux_layer_ids=tuple(ids))
 
 
 def audit_deployment(inputs: RunInputs, served_dir: Path, launch_argv, plan, cand_run: EngineRun, dtype: torch.dtype) -> dict:
@@ -278,7 +313,7 @@ def audit_deployment(inputs: RunInputs, served_dir: Path, launch_argv, plan, can
 
     served = load_checkpoint(served_dir)
     tensor_rows, tensor_findings = check_served_tensors(inputs.checkpoint, served, cand_run.ledger)
-    launch_rows, launch_findings = check_launch(plan, dtype, inputs.checkpoint)
+    launch_rows, launch_findings = check_launch(plan, dtype, inputs.checkpoint, served)
     return {"served_dir": str(served_dir), "launch_argv": list(launch_argv), "plan": plan.as_dict(),
             "tensors": tensor_rows, "config": config_rows(inputs.checkpoint, served), "launch": launch_rows,
             "findings": tensor_findings + check_vocab(served) + launch_findings}

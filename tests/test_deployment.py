@@ -47,8 +47,9 @@ def _report(ws: Workspace, out: Path, *extra: str) -> tuple[subprocess.Completed
 
 def test_the_catalog_has_every_deployment_fault_the_issue_names():
     classes = " ".join(f.bug_class for f in DEPLOYMENT_FAULTS)
-    for words in ("renamed by hand", "arange", "EAGLE for an EAGLE-3", "verbatim", "norm_before_fc missing",
-                  "lm_head.weight missing", "--speculative-token-map", "another dtype"):
+    for words in ("renamed by hand", "arange", "EAGLE for an EAGLE-3", "verbatim", "norm_before_fc missing", "rope theta",
+                  "lm_head.weight missing", "--speculative-token-map", "another dtype", "--json-model-override-args",
+                  "no --dtype", "draft_vocab_size missing", "tie_word_embeddings switched on"):
         assert words in classes, words
 
 
@@ -151,7 +152,18 @@ def test_convert_never_writes_into_the_training_checkpoint_or_over_a_directory(t
     taken.mkdir()
     (taken / "keep.txt").write_text("mine")
     proc = _difftest("convert", str(fx.checkpoint), str(taken))
-    assert proc.returncode == 2 and (taken / "keep.txt").read_text() == "mine"
+    assert proc.returncode == 2 and (taken / "keep.txt").read_text() == "mine" and "--force" in proc.stderr
+
+
+def test_convert_force_replaces_an_existing_directory_whole(tmp_path):
+    fx = tiny_fixture()
+    out = tmp_path / "served"
+    out.mkdir()
+    (out / "model-old.safetensors").write_text("an earlier, hand-made copy")
+    proc = _difftest("convert", str(fx.checkpoint), str(out), "--reports", str(tmp_path / "reports"), "-q", "--force")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reports", "served"]  # nothing left beside it
 
 
 def test_a_failed_conversion_leaves_no_half_directory(tmp_path, monkeypatch):
@@ -166,3 +178,48 @@ def test_a_failed_conversion_leaves_no_half_directory(tmp_path, monkeypatch):
         convert.served_copy(load_checkpoint(tiny_fixture().checkpoint), tmp_path / "served")
     assert list(tmp_path.iterdir()) == []
 
+
+
+def test_a_speculators_directory_served_as_is_is_the_verdict_not_an_error(tmp_path):
+    """SGLang 0.5.23's config code refuses speculators' format (no model_type): a server would
+    not start. That is the verdict on the deployment, named with what the user can do."""
+    ws = _deployed_workspace(tmp_path / "ws")
+    before = _tree_digest(ws.checkpoint)
+    ws.set_launch_flag("--speculative-draft-model-path", str(ws.checkpoint))
+    launch = ws.root / "launch.txt"
+    launch.write_text(shlex.join(ws.launch) + "\n")
+    out = tmp_path / "out"
+    proc = _difftest("report", str(ws.checkpoint), "--target", str(ws.target), "--states", str(ws.states_file()),
+                     "--serve", str(ws.checkpoint), "--launch-file", str(launch), "--out", str(out), "-q")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("DIVERGED") and "served_format_not_servable" in proc.stdout
+    rep = json.loads((out / "report.json").read_text())
+    validate_report(rep)
+    assert (rep["diagnosis"]["cause"], rep["diagnosis"]["found_at"]) == ("served_format_not_servable", "audit:launch")
+    assert "difftest convert" in rep["diagnosis"]["fix"] and "--decrypted-draft-config-file" in rep["diagnosis"]["fix"]
+    assert "model_type" in rep["deployment"]["refused"]  # SGLang's own words, not difftest's guess
+    assert "SGLang refuses this directory" in (out / "report.md").read_text()
+    assert _tree_digest(ws.checkpoint) == before
+
+
+def test_a_served_directory_missing_a_shard_is_exit_2_before_any_engine(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    ws = _deployed_workspace(tmp_path / "ws")
+    tensors = load_file(str(ws.served / "model.safetensors"))
+    (ws.served / "model.safetensors").unlink()
+    names = sorted(tensors)
+    save_file({n: tensors[n].contiguous() for n in names[::2]}, str(ws.served / "model-00001-of-00002.safetensors"))
+    weight_map = {n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}
+    (ws.served / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    proc, rep = _report(ws, tmp_path / "out")
+    assert proc.returncode == 2 and rep is None, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and "model-00002-of-00002.safetensors" in proc.stderr
+
+
+def test_a_served_config_sglang_cannot_read_is_exit_2_naming_the_file(tmp_path):
+    ws = _deployed_workspace(tmp_path / "ws")
+    ws.edit_served_config(lambda c: c.__setitem__("model_type", "no-such-model"))
+    proc, rep = _report(ws, tmp_path / "out")
+    assert proc.returncode == 2 and rep is None, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and "config.json" in proc.stderr and "Traceback" not in proc.stderr

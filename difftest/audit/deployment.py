@@ -100,7 +100,8 @@ def _hot_ids(served: Checkpoint) -> torch.Tensor | None:
     return d2t + torch.arange(d2t.numel())
 
 
-def check_launch(plan: DeploymentPlan, reference_dtype: torch.dtype, training: Checkpoint) -> tuple[list[dict], list[Finding]]:
+def check_launch(plan: DeploymentPlan, reference_dtype: torch.dtype, training: Checkpoint,
+                 served: Checkpoint) -> tuple[list[dict], list[Finding]]:
     rows = [dict(f.__dict__) for f in plan.flags]
     for row in rows:
         row["value"] = row["value"] if isinstance(row["value"], (int, float, str, bool, type(None))) else str(row["value"])
@@ -117,6 +118,9 @@ def check_launch(plan: DeploymentPlan, reference_dtype: torch.dtype, training: C
                                 f"the launch runs the draft in {str(plan.dtype)[6:]}; training's checkpoint is "
                                 f"{str(reference_dtype)[6:]}", {"served": str(plan.dtype)[6:],
                                                                  "training": str(reference_dtype)[6:]}))
+    override = by_flag.get("--json-model-override-args")
+    if override is not None:
+        findings += _override_findings(str(override.value), served)
     token_map = by_flag.get("--speculative-token-map")
     if token_map is not None:
         hot = torch.tensor(torch.load(str(token_map.value), weights_only=True), dtype=torch.int64).flatten()
@@ -139,3 +143,24 @@ def check_launch(plan: DeploymentPlan, reference_dtype: torch.dtype, training: C
             findings.append(Finding(CHECK_LAUNCH, "launch_flag_not_simulated", Severity.INFO,
                                     f"{flag.flag} {flag.value}: {flag.simulated}", {"flag": flag.flag}))
     return rows, findings
+
+
+def _override_findings(value: str, served: Checkpoint) -> list[Finding]:
+    """SGLang's ModelConfig applies --json-model-override-args to the draft's config as well as
+    the target's: a field it changes is served with a value the directory does not hold."""
+    import json
+
+    try:
+        override = json.loads(value)
+    except json.JSONDecodeError:
+        return []  # SGLang's own resolution refuses it first
+    if not isinstance(override, dict):
+        return []
+    changed = {k: v for k, v in override.items() if served.config.get(k, "<absent>") != v}
+    if not changed:
+        return []
+    return [Finding(CHECK_LAUNCH, "launch_override_reaches_draft", Severity.ERROR,
+                    f"--json-model-override-args sets {', '.join(f'{k}={v!r}' for k, v in changed.items())} on the "
+                    "draft's config too (SGLang's ModelConfig applies it to every model it builds); the served "
+                    f"config.json holds {', '.join(f'{k}={served.config.get(k)!r}' for k in changed)}",
+                    {"fields": sorted(changed)})]

@@ -255,14 +255,20 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+NO_DEPLOYMENT = ("No deployment was given (--serve with --launch): SGLang served the directory `difftest convert` "
+                 "writes for this checkpoint, launched as the command it prints, at this run's dtype.")
+
+
 def _deployment_markdown(report: dict) -> list[str]:
     dep = report.get("deployment")
     if not dep:
-        return []
+        return ["## Deployment", "", NO_DEPLOYMENT, ""]
 
     lines = ["## Deployment: trained vs served", "", f"Served directory `{dep['served_dir']}`, launched as:", "",
-             "```", shlex.join(dep["launch_argv"]), "```", "",
-             "| launch setting | value | what it changes in the draft | simulated here |", "|---|---|---|---|"]
+             "```", shlex.join(dep["launch_argv"]), "```", ""]
+    if dep.get("refused"):
+        return lines + [f"**SGLang refuses this directory** before loading any weight: {dep['refused']}", ""]
+    lines += ["| launch setting | value | what it changes in the draft | simulated here |", "|---|---|---|---|"]
     lines += [f"| `{r['flag']}` | `{r['value']}`{'' if r['given'] else ' (default)'} | {r['effect']} | {r['simulated']} |"
               for r in dep["launch"]]
     lines += [""] + [f"- {n}" for n in dep["plan"].get("notes") or []]

@@ -221,11 +221,16 @@ def render_html(report: dict) -> str:
               _e(json.dumps(f.get("measured") or {}, default=str)[:300])] for f in audit["findings"]],
             cell_classes=lambda i, j, c: audit["findings"][i]["severity"] if j == 1 else ""))
     dep = report.get("deployment")
-    if dep:
+    if not dep:
+        from difftest.report.build import NO_DEPLOYMENT
 
+        parts.append(f"<h2 id='deployment'>Deployment</h2><p>{_e(NO_DEPLOYMENT)}</p>")
+    else:
         parts.append("<h2 id='deployment'>Deployment: trained vs served</h2>"
                      f"<p>Served directory <code>{_e(dep['served_dir'])}</code>, launched as:</p>"
-                     f"<pre>{_e(shlex.join(dep['launch_argv']))}</pre>" + _table(
+                     f"<pre>{_e(shlex.join(dep['launch_argv']))}</pre>" + (
+                         f"<p><b>SGLang refuses this directory</b> before loading any weight: {_e(dep['refused'])}</p>"
+                         if dep.get("refused") else "") + _table(
                          ["launch setting", "value", "what it changes in the draft", "simulated here"],
                          [[f"<code>{_e(r['flag'])}</code>", _e(r["value"]) + ("" if r["given"] else " (default)"),
                            _e(r["effect"]), _e(r["simulated"])] for r in dep["launch"]]))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+import types
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -23,6 +24,7 @@ import torch
 from difftest.checkpoint import Checkpoint, CheckpointFormat
 from difftest.convert import legacy_config, legacy_name
 from difftest.engines.base import DROP, CapturePlan, ChainRun, EngineRun, TargetCapture, LoadLedger, ParamFate, RunOptions, TensorFate
+from difftest.errors import InputError
 from difftest.engines.hooks import ProbeRecorder
 from difftest.engines.sglang_engine.runtime import ensure_runtime
 from difftest.states import CapturedStates
@@ -106,6 +108,32 @@ def _edit(cfg: dict, path: str, value) -> None:
         node.pop(leaf, None)
     else:
         node[leaf] = value
+
+
+def write_served_copy(checkpoint: Checkpoint, out: "Path", options: RunOptions) -> dict[str, str]:
+    """The served directory difftest's converter makes for this checkpoint, with the serving
+    setup's edits (a fault's config edit or key rename) applied. The config is the converter's.
+    Weights keep their stored names unless a rename is asked for: SGLang's load_weights maps
+    `layers.0.` and `midlayer.` onto the same parameters, so the files are linked, not copied
+    (at real shapes a copy is gigabytes); a rename writes the renamed tensors."""
+    import json
+    import os
+
+    from difftest.convert import DTYPE_FLAG
+
+    cfg, notes = serving_config(checkpoint, options)
+    cfg.setdefault("torch_dtype", DTYPE_FLAG.get(checkpoint.stored_dtype(), "float32"))
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(cfg))
+    if options.serving.key_renames:
+        from safetensors.torch import save_file
+
+        save_file({served: tensor.contiguous() for served, _, tensor in
+                   serving_tensors(checkpoint, options.serving.key_renames)}, str(out / "model.safetensors"))
+    else:
+        for f in checkpoint.weight_files():
+            os.symlink(f.resolve(), out / f.name)  # read only: the loader never opens weights for writing
+    return notes
 
 
 def serving_tensors(checkpoint: Checkpoint, renames: tuple[tuple[str, str], ...] = ()):
@@ -263,22 +291,26 @@ class SGLangAdapter:
         return TargetCapture(self.name, hidden, sorted(layers) or None, what, {"target": time.perf_counter() - t0})
 
     def _build(self, checkpoint: Checkpoint, target: TargetWeights, options: RunOptions):
-        """SGLang's model from the serving config, through its own load_weights, with the
-        target's embedding (and head) shared the way the EAGLE worker shares them."""
+        """SGLang's model as its server builds it, from a served directory and a launch command:
+        the user's (--serve/--launch), or else the directory difftest's converter writes for
+        this checkpoint, served by the command `difftest convert` prints. One path either way."""
         if options.serving.deployment is not None:
             return self._build_deployed(target, options)
-        from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
-        from transformers import LlamaConfig
+        import tempfile
+        from pathlib import Path
 
-        cfg_dict, conversion_notes = serving_config(checkpoint, options)
-        config = LlamaConfig(**cfg_dict)
-        device = torch.device(options.device)
-        with _default_dtype(options.dtype), device:
-            model = LlamaForCausalLMEagle3(config).eval()
-        served = ((served, original, tensor) for served, original, tensor in
-                  serving_tensors(checkpoint, options.serving.key_renames))
-        model, ledger, share = self._load(model, served, target, options, "EAGLE3")
-        details = {"conversion_notes": conversion_notes, "served_config": cfg_dict, "lm_head_path": share["path"]}
+        from difftest.convert import launch_command
+        from difftest.engines.base import Deployment
+
+        with tempfile.TemporaryDirectory(prefix="difftest-served-") as scratch:
+            served_dir = Path(scratch) / "served"
+            conversion_notes = write_served_copy(checkpoint, served_dir, options)
+            argv = launch_command(str(served_dir), str(target.path), options.dtype)
+            deployment = Deployment(served_dir, tuple(argv), Path(scratch), "difftest convert's launch command")
+            model, ledger, details = self._build_deployed(
+                target, replace(options, serving=replace(options.serving, deployment=deployment)))
+        details["conversion_notes"] = conversion_notes
+        details.pop("deployment", None)  # nothing was deployed by the user: the report has no deployment section
         return model, ledger, details
 
     def _build_deployed(self, target: TargetWeights, options: RunOptions):
@@ -294,8 +326,13 @@ class SGLangAdapter:
         plan, server_args, draft_config = deployment_plan(options.serving.deployment, target.path, options.device,
                                                           options.dtype)
         model_cls, arch = get_model_architecture(draft_config)
-        with _default_dtype(draft_config.dtype), torch.device(options.device):
-            model = model_cls(config=draft_config.hf_config).eval()
+        try:
+            with _default_dtype(draft_config.dtype), torch.device(options.device):
+                model = model_cls(config=draft_config.hf_config).eval()
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            # e.g. a config without draft_vocab_size: transformers 5.19 gives the attribute no default
+            served = options.serving.deployment.served_dir / "config.json"
+            raise InputError(f"{served}: SGLang's {arch} cannot be built from it ({type(exc).__name__}: {exc})") from None
         loader = DefaultModelLoader(LoadConfig(load_format=server_args.load_format))
         served = ((name, name, tensor) for name, tensor in loader._get_all_weights(draft_config, model))
         with _loader_bars_follow_tqdm_disable():
@@ -432,49 +469,53 @@ class SGLangAdapter:
     @staticmethod
     def _share_target(model, target: TargetWeights, options: RunOptions, algorithm: str = "EAGLE3",
                       token_map: str | None = None) -> dict:
-        """Follow the EAGLE worker's init_token_map and init_lm_head (eagle_worker_v2.py)."""
-        with _without_cache_flush(options.device):
-            if algorithm != "EAGLE3":
-                return SGLangAdapter._share_as_eagle(model, target, options, token_map)
-            return SGLangAdapter._share_target_weights(model, target, options)
-
-    @staticmethod
-    def _share_as_eagle(model, target: TargetWeights, options: RunOptions, token_map: str | None) -> dict:
-        """Not EAGLE3: the worker loads --speculative-token-map as its hot ids (else none),
-        keeps those rows of the target's head and calls set_embed_and_head, whatever the
-        draft's own head; its draft ids are then read through that map, not the draft's d2t."""
-        from sglang.srt.speculative.spec_utils import load_token_map
+        """The EAGLE worker's own init_token_map and init_lm_head (eagle_worker_v2.py), run on
+        this draft with a stand-in for the target runner that hands out the target's embedding
+        and head. What the worker maps draft ids with (its hot_token_id) is what the draft is
+        then read through: under EAGLE3 the d2t-based map load_weights built, under EAGLE the
+        --speculative-token-map or nothing."""
+        from sglang.srt.speculative import eagle_worker_v2
+        from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
         dtype = model_dtype(model)
         embed = target.shared("embed", options.device, dtype)
         head = target.shared("lm_head", options.device, dtype)
-        hot = load_token_map(token_map) if token_map else None
-        if hot is not None:
-            head = head[hot.to(head.device)]
-        model.set_embed_and_head(embed, head)
-        model.hot_token_id = hot
-        return {"shared": ["model.embed_tokens.weight", "lm_head.weight"],
-                "path": "set_embed_and_head" + (" (rows of --speculative-token-map)" if hot is not None else "")}
-
-    @staticmethod
-    def _share_target_weights(model, target: TargetWeights, options: RunOptions) -> dict:
-        device = options.device
-        dtype = model_dtype(model)
-        embed = target.shared("embed", device, dtype)
-        shared: list[str] = []
-        if options.serving.lm_head_from_target or model.load_lm_head_from_target:
-            head = target.shared("lm_head", device, dtype)
-            model.set_embed_and_head(embed, head)
-            shared = ["model.embed_tokens.weight", "lm_head.weight"]
-            path = "set_embed_and_head"
-        elif options.serving.share_target_embed:
-            before = model.model.embed_tokens.weight
-            model.set_embed(embed)
-            if model.model.embed_tokens.weight is not before:
-                shared = ["model.embed_tokens.weight"]
-            path = "set_embed"
-        else:
-            path = "none"
+        if not options.serving.share_target_embed:
+            embed = model.model.embed_tokens.weight  # fault: the target hands out no embedding to share
+        if options.serving.lm_head_from_target:
+            model.load_lm_head_from_target = True  # fault: the flag the worker reads to share the target's head
+        standin_target = SimpleNamespace(get_embed_and_head=lambda: (embed, head), lm_head=None)
+        worker = SimpleNamespace(
+            target_worker=SimpleNamespace(model_runner=SimpleNamespace(
+                model=standin_target, model_config=SimpleNamespace(model_path=str(target.path), revision=None),
+                load_config=None)),
+            draft_runner=SimpleNamespace(model=model), hot_token_id=None,
+            speculative_algorithm=SpeculativeAlgorithm.from_string(algorithm))
+        worker._resolve_shared_embed_and_head = types.MethodType(EagleDraftWorker._resolve_shared_embed_and_head, worker)
+        before_embed, before_head = model.model.embed_tokens.weight, model.lm_head.weight
+        # The worker reads the token-map flag from the published server args; hand it this
+        # launch's value directly rather than publishing a speculative config process-wide.
+        published = eagle_worker_v2.get_spec
+        eagle_worker_v2.get_spec = lambda: SimpleNamespace(speculative_token_map=token_map)
+        try:
+            with _without_cache_flush(options.device):
+                EagleDraftWorker.init_token_map(worker)
+                EagleDraftWorker.init_lm_head(worker)
+        finally:
+            eagle_worker_v2.get_spec = published
+        # Every later read of the draft's ids (probes, chains) goes through the worker's map.
+        model.hot_token_id = worker.hot_token_id
+        shared = []
+        if model.model.embed_tokens.weight is not before_embed:
+            shared.append("model.embed_tokens.weight")
+        # A tied config makes lm_head the embedding module itself: sharing the embedding is all
+        # that happened (the conversion audit names the tying), not a head taken from the target.
+        if model.lm_head.weight is not before_head and model.lm_head is not model.model.embed_tokens:
+            shared.append("lm_head.weight")
+        took_head = algorithm != "EAGLE3" or getattr(model, "load_lm_head_from_target", False)
+        path = ("set_embed_and_head" + (" (rows of --speculative-token-map)" if token_map and algorithm != "EAGLE3" else "")
+                if took_head else "set_embed")
         return {"shared": shared, "path": path}
 
     @staticmethod

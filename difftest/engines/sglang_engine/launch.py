@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 from pathlib import Path
 
 import torch
 
 from difftest.engines.base import Deployment, DeploymentPlan, LaunchFlag
-from difftest.errors import InputError
+from difftest.errors import InputError, ServingRefused
 
 # The ways a launch command names SGLang's server, as argv prefixes.
 LAUNCHERS = (("-m", "sglang.launch_server"), ("sglang", "serve"), ("sglang.launch_server",))
@@ -92,6 +93,42 @@ def parse_launch(deployment: Deployment, target_path: Path, device: str):
     return server_args, {a.dest for a in parser._actions if _given(a, args)}, notes
 
 
+def _check_buildable(deployment: Deployment, draft_config) -> None:
+    """Build the draft's class from the served config on the meta device, as the server's
+    loader would at start: a config it cannot build from (no draft_vocab_size, which
+    transformers 5.19 gives no default) is a server that does not start."""
+    import copy
+
+    from sglang.srt.model_loader.utils import get_model_architecture
+
+    model_cls, arch = get_model_architecture(draft_config)
+    try:
+        with torch.device("meta"):
+            model_cls(config=copy.deepcopy(draft_config.hf_config))  # __init__ writes into its config
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise ServingRefused("sglang", str(deployment.served_dir),
+                             f"{arch} cannot be built from its config.json ({type(exc).__name__}: {exc})",
+                             "served_config_not_servable") from None
+
+
+def _refusal(deployment: Deployment, exc: Exception) -> Exception:
+    """SGLang's config code refused the served directory. A directory in speculators' format is
+    a verdict on the deployment (a server would not start); any other refusal is a served
+    config difftest cannot check, so one input error naming the file."""
+    from difftest.checkpoint import CheckpointFormat, detect_format
+
+    reason = " ".join(str(exc).split())[:300]
+    config = deployment.served_dir / "config.json"
+    try:
+        fmt = detect_format(json.loads(config.read_text()))
+    except (InputError, OSError, ValueError):
+        fmt = None
+    if fmt is CheckpointFormat.SPECULATORS:
+        return ServingRefused("sglang", str(deployment.served_dir), f"{type(exc).__name__}: {reason}",
+                              "served_format_not_servable")
+    return InputError(f"{config}: SGLang's config code refuses it ({type(exc).__name__}: {reason})")
+
+
 def _given(action: argparse.Action, args: list[str]) -> bool:
     return any(a == opt or a.startswith(opt + "=") for a in args for opt in action.option_strings)
 
@@ -103,9 +140,14 @@ def deployment_plan(deployment: Deployment, target_path: Path, device: str, refe
     from sglang.srt.configs.model_config import ModelConfig
 
     server_args, given, notes = parse_launch(deployment, target_path, device)
-    resolved = resolving_view(server_args)
-    draft_config = ModelConfig.from_server_args(server_args, model_path=str(deployment.served_dir.resolve()),
-                                                is_draft_model=True)
+    try:
+        # Resolution already reads the draft's config.json (the algorithm alias check), as a server's start does.
+        resolved = resolving_view(server_args)
+        draft_config = ModelConfig.from_server_args(server_args, model_path=str(deployment.served_dir.resolve()),
+                                                    is_draft_model=True)
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
+        raise _refusal(deployment, exc) from None
+    _check_buildable(deployment, draft_config)
     algorithm = str(resolved.speculative_algorithm)
     steps = int(resolved.speculative_num_steps or 1)
     topk = int(resolved.speculative_eagle_topk or 1)
