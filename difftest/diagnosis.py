@@ -337,6 +337,16 @@ SHORTFALL_CAUSES = ("checkpoint_changed_after_training", "vocab_map_out_of_step"
                     "acceptance_below_training")
 
 
+def _own_cost_entry(finding: Finding, acceptance) -> dict:
+    """A cause costed by undoing it alone: the accept length the serving engine recovers."""
+    cost = finding.measured["cost_accept_length"]
+    how = (f"measured by undoing it alone ({finding.measured['undone']}): the serving engine's predicted accept "
+           f"length recovers {cost:+.3f}")
+    if acceptance is not None and abs(cost) <= acceptance.tolerance:
+        how += f": costs nothing measurable (within ±{acceptance.tolerance})"
+    return {"cost_accept_length": cost, "how": how}
+
+
 def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=None) -> Diagnosis | None:
     """The headline is the cause that costs the most acceptance.
 
@@ -358,10 +368,16 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
         # The first divergent probe differs by rounding alone, and the real cause (a finding)
         # lives further down: each is reported at its own place, never one at the other's.
         serving.probe = _home_probe(serving.cause, comparison)
+    own_costs = {f.cause: f for f in serving_findings if f.severity is Severity.ERROR
+                 and isinstance(f.measured.get("cost_accept_length"), float)}
     if serving is not None:
         entry = {"cause": serving.cause, "found_at": serving.found_at, "side": "serving",
                  "cost_accept_length": None, "how": "not measured: no chain was drafted (--chain-steps 0)"}
-        if acceptance is not None:
+        own = next((own_costs[c] for c in CAUSES[serving.cause].findings if c in own_costs), None) \
+            if serving.cause in CAUSES else None
+        if own is not None:
+            entry.update(_own_cost_entry(own, acceptance))
+        elif acceptance is not None:
             gap = acceptance.reference.mean_accept_length - acceptance.candidate.mean_accept_length
             entry["cost_accept_length"] = gap
             entry["how"] = (f"{acceptance.reference.engine} vs {acceptance.candidate.engine} predicted accept length on "
@@ -382,6 +398,14 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
                  "cost_accept_length": found.measured.get("cost_accept_length"),
                  "how": "training's accept length (1 + sum of held-out full_acc_j) vs the reference engine's prediction"}
         candidates.append((short, entry))
+    ranked_causes = {d.cause for d, _ in candidates} | set().union(*(CAUSES[d.cause].findings for d, _ in candidates
+                                                                    if d.cause in CAUSES))
+    for cause, f in own_costs.items():
+        if cause not in ranked_causes:
+            other = diagnose(Comparison([]), [f])
+            ranked_causes |= {other.cause, cause}
+            candidates.append((other, {"cause": other.cause, "found_at": f"audit:{f.check}", "side": "serving",
+                                       **_own_cost_entry(f, acceptance)}))
     if not candidates:
         return None
 

@@ -263,6 +263,19 @@ def _served_rope_theta_changed(ws: Workspace) -> None:
     ws.edit_served_config(edit)
 
 
+def _served_speculators_directory(ws: Workspace) -> None:
+    """The training checkpoint's own speculators-format directory served as it is."""
+    from difftest.checkpoint import CheckpointFormat
+    from difftest.convert import legacy_to_speculators
+
+    shutil.rmtree(ws.served)
+    ckpt = ws.ckpt()
+    if ckpt.format is CheckpointFormat.SPECULATORS:
+        shutil.copytree(ws.checkpoint, ws.served)
+    else:
+        legacy_to_speculators(ckpt, ws.served)
+
+
 def _launch_without_dtype(ws: Workspace) -> None:
     ws.edit_served_config(lambda c: (c.pop("torch_dtype", None), c.pop("dtype", None)))
     i = ws.launch.index("--dtype")
@@ -335,6 +348,9 @@ FAULTS: tuple[Fault, ...] = (
     Fault("served_tie_word_embeddings_set", "tie_word_embeddings switched on in the served config: the target's "
           "embedding served as the head", "logits", "tied_embeddings",
           lambda ws: ws.edit_served_config(lambda c: c.__setitem__("tie_word_embeddings", True)), deployed=True),
+    Fault("served_speculators_directory", "a speculators-format directory handed to SGLang as it is: its config code "
+          "refuses it, a server would not start", "audit:launch", "served_format_not_servable",
+          _served_speculators_directory, deployed=True),
     Fault("served_lm_head_missing", "lm_head.weight missing from the served directory",
           "logits", "lm_head_missing", lambda ws: ws.edit_served_tensors(lambda t: t.pop("lm_head.weight")), deployed=True),
     Fault("launch_token_map_disagrees", "a --speculative-token-map that disagrees with the trained d2t "

@@ -241,6 +241,9 @@ def run(
         on_step("acceptance: against training's held-out accuracy")
         findings += check_training_shortfall(accept, ref_run.chain, inputs.checkpoint, inputs.states, training_run,
                                              findings, capture_measured=parity is not None)
+    if accept is not None and deployment is not None:
+        measure_undo_costs(findings, inputs, serving.deployment, candidate, options, chain_steps, ref_run, accept,
+                           training_metrics, on_step)
     # The headline is the cause that costs the most acceptance, serving divergence or training shortfall.
     diagnosis = rank_by_cost(comparison, findings, accept)
     return RunResult(
@@ -249,6 +252,40 @@ def run(
         timings_s={"engines": time.perf_counter() - t0}, findings=findings, config_audit=rows,
         conversion=conversion_rows, capture=capture, target_capture=parity, acceptance=accept, deployment=served,
     )
+
+
+def measure_undo_costs(findings: list, inputs: RunInputs, deployment, candidate: EngineAdapter, options: RunOptions,
+                       chain_steps: int, ref_run: EngineRun, accept, training_metrics: dict | None,
+                       on_step: Callable[[str], None]) -> None:
+    """Each launch cause costed on its own: the same deployment with that one flag set back to
+    what training used, its chain drafted again by the serving engine (its own capture under
+    that launch included), and the accept length it recovers recorded on the finding."""
+    from difftest.acceptance import compare_acceptance
+
+    for finding in findings:
+        undo = finding.measured.get("undo")
+        if not undo or "cost_accept_length" in finding.measured:
+            continue
+        undone = deployment.with_flag(undo["flag"], undo["value"])
+        what = f"{undo['flag']} {undo['value']}" if undo["value"] is not None else f"without {undo['flag']}"
+        alt = replace(options, serving=replace(options.serving, deployment=undone))
+        try:
+            plan = candidate.deployment_plan(inputs.checkpoint, inputs.target, alt)
+        except (InputError, ServingRefused) as exc:
+            finding.measured["undo_not_measured"] = f"the launch {what} is refused: {exc}"
+            continue
+        alt = replace(alt, dtype=plan.dtype)
+        on_step(f"{candidate.name}: chain again with {what}, to cost {finding.cause} alone")
+        chain_states = serving_capture_states(inputs, candidate.capture_plan(inputs.checkpoint, inputs.target, alt),
+                                              candidate, alt, on_step)
+        run_undone = candidate.run(inputs.checkpoint, inputs.target, inputs.states, alt, chain_steps=chain_steps,
+                                   chain_states=chain_states)
+        recovered = compare_acceptance(ref_run.chain, run_undone.chain, inputs.states, inputs.target, training_metrics)
+        finding.measured["cost_accept_length"] = (recovered.candidate.mean_accept_length
+                                                  - accept.candidate.mean_accept_length)
+        finding.measured["undone"] = what
+        del run_undone
+        release_memory(False)
 
 
 def refused_deployment(inputs: RunInputs, options: RunOptions, refused: ServingRefused, reference: EngineAdapter,

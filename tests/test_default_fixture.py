@@ -188,3 +188,30 @@ def test_selftest_on_the_real_draft_catches_every_fault_in_both_dtypes(fx):
     misses = [o.as_dict() for o in score.outcomes if not o.passed]
     assert score.ok, misses
     assert {o.dtype for o in score.outcomes} == {"fp32", "bf16"}
+
+
+def test_a_launch_cause_is_costed_by_undoing_it_alone(fx, tmp_path):
+    """EAGLE for an EAGLE-3 draft: SGLang's chain is drafted again with the flag set back to
+    EAGLE3, and the accept length that recovers is the cause's own cost. The engines agree on
+    this draft within the tolerance, so undoing the only launch cause recovers the serving gap."""
+    import torch
+
+    from difftest import pipeline
+    from difftest.faults import Workspace
+
+    ws = Workspace.copy_of(fx.checkpoint, load_states(fx.states), fx.target, tmp_path, torch.float32)
+    ws.edit_config(lambda c: c.update(norm_before_residual=False))  # the engines' one known difference, off
+    ws.deploy()
+    ws.set_launch_flag("--speculative-algorithm", "EAGLE")
+    inputs = pipeline.prepare(ws.checkpoint, ws.target, ws.states_file())
+    result = pipeline.run(inputs, dtype=torch.float32, serving=ws.deployment(), chain_steps=3)
+    assert result.acceptance.reference.scored_rows > 100
+    finding = next(f for f in result.findings if f.cause == "speculative_algorithm_not_eagle3")
+    assert finding.measured["undone"] == "--speculative-algorithm EAGLE3"
+    gap = result.acceptance.reference.mean_accept_length - result.acceptance.candidate.mean_accept_length
+    assert gap > 0.2  # EAGLE collapses acceptance: no aux capture, the target's head
+    assert finding.measured["cost_accept_length"] == pytest.approx(gap, abs=0.05)
+    head = result.diagnosis.ranked[0]
+    assert head["cause"] == "speculative_algorithm_not_eagle3"
+    assert head["cost_accept_length"] == finding.measured["cost_accept_length"]
+    assert head["how"].startswith("measured by undoing it alone (--speculative-algorithm EAGLE3)")

@@ -49,7 +49,7 @@ def test_the_catalog_has_every_deployment_fault_the_issue_names():
     classes = " ".join(f.bug_class for f in DEPLOYMENT_FAULTS)
     for words in ("renamed by hand", "arange", "EAGLE for an EAGLE-3", "verbatim", "norm_before_fc missing", "rope theta",
                   "lm_head.weight missing", "--speculative-token-map", "another dtype", "--json-model-override-args",
-                  "no --dtype", "draft_vocab_size missing", "tie_word_embeddings switched on"):
+                  "no --dtype", "draft_vocab_size missing", "tie_word_embeddings switched on", "speculators-format"):
         assert words in classes, words
 
 
@@ -223,3 +223,15 @@ def test_a_served_config_sglang_cannot_read_is_exit_2_naming_the_file(tmp_path):
     proc, rep = _report(ws, tmp_path / "out")
     assert proc.returncode == 2 and rep is None, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and "config.json" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_with_flag_edits_the_command_as_a_user_would():
+    from difftest.engines.base import Deployment
+
+    d = Deployment(Path("/s"), ("python", "-m", "sglang.launch_server", "--dtype=float16", "--speculative-algorithm",
+                                "EAGLE", "--json-model-override-args", "{}"), Path("/"))
+    assert d.with_flag("--speculative-algorithm", "EAGLE3").launch_argv[-2:] == ("--speculative-algorithm", "EAGLE3")
+    assert "EAGLE" not in d.with_flag("--speculative-algorithm", "EAGLE3").launch_argv[:-1]
+    assert d.with_flag("--dtype", "bfloat16").launch_argv.count("--dtype=float16") == 0
+    assert "--json-model-override-args" not in d.with_flag("--json-model-override-args", None).launch_argv
+    assert d.with_flag("--json-model-override-args", None).launch_argv[:3] == ("python", "-m", "sglang.launch_server")

@@ -14,7 +14,7 @@ import torch
 
 from difftest.audit.findings import Finding, Severity
 from difftest.checkpoint import Checkpoint
-from difftest.convert import legacy_name, speculators_name
+from difftest.convert import DTYPE_FLAG, legacy_name, speculators_name
 from difftest.engines.base import DeploymentPlan, LoadLedger
 
 CHECK_TENSORS = "served"
@@ -112,12 +112,14 @@ def check_launch(plan: DeploymentPlan, reference_dtype: torch.dtype, training: C
         findings.append(Finding(CHECK_LAUNCH, "speculative_algorithm_not_eagle3", Severity.ERROR,
                                 f"--speculative-algorithm {algorithm} for an EAGLE-3 draft: the target captures no aux "
                                 "layers and the worker replaces the draft's head with the target's",
-                                {"algorithm": algorithm}))
+                                {"algorithm": algorithm, "undo": {"flag": "--speculative-algorithm", "value": "EAGLE3"}}))
     if plan.dtype != reference_dtype:
         findings.append(Finding(CHECK_LAUNCH, "served_dtype_differs", Severity.ERROR,
                                 f"the launch runs the draft in {str(plan.dtype)[6:]}; training's checkpoint is "
                                 f"{str(reference_dtype)[6:]}", {"served": str(plan.dtype)[6:],
-                                                                 "training": str(reference_dtype)[6:]}))
+                                                                 "training": str(reference_dtype)[6:],
+                                                                 "undo": {"flag": "--dtype",
+                                                                          "value": DTYPE_FLAG[reference_dtype]}}))
     override = by_flag.get("--json-model-override-args")
     if override is not None:
         findings += _override_findings(str(override.value), served)
@@ -137,7 +139,7 @@ def check_launch(plan: DeploymentPlan, reference_dtype: torch.dtype, training: C
         elif not agree:
             findings.append(Finding(CHECK_LAUNCH, "speculative_token_map_differs", Severity.ERROR,
                                     f"--speculative-token-map {how}: the worker reads draft ids through it",
-                                    {"agrees": agree}))
+                                    {"agrees": agree, "undo": {"flag": "--speculative-token-map", "value": None}}))
     for flag in plan.flags:
         if flag.simulated.startswith("not simulated"):
             findings.append(Finding(CHECK_LAUNCH, "launch_flag_not_simulated", Severity.INFO,
@@ -163,4 +165,4 @@ def _override_findings(value: str, served: Checkpoint) -> list[Finding]:
                     f"--json-model-override-args sets {', '.join(f'{k}={v!r}' for k, v in changed.items())} on the "
                     "draft's config too (SGLang's ModelConfig applies it to every model it builds); the served "
                     f"config.json holds {', '.join(f'{k}={served.config.get(k)!r}' for k in changed)}",
-                    {"fields": sorted(changed)})]
+                    {"fields": sorted(changed), "undo": {"flag": "--json-model-override-args", "value": None}})]

@@ -33,6 +33,25 @@ class Deployment:
     base_dir: Path
     source: str = "--launch"  # where the command came from, for messages
 
+    def with_flag(self, flag: str, value: str | None) -> "Deployment":
+        """The same deployment launched with `flag` set to `value` (None: without the flag),
+        as a user would edit the command line; what the flag means stays the engine's to read."""
+        argv, out, i = list(self.launch_argv), [], 0
+        while i < len(argv):
+            token = argv[i]
+            if token == flag:
+                i += 2  # the flag and its value
+                continue
+            if token.startswith(flag + "="):
+                i += 1
+                continue
+            out.append(token)
+            i += 1
+        if value is not None:
+            out += [flag, value]
+        return Deployment(self.served_dir, tuple(out), self.base_dir, f"{self.source}, with {flag} "
+                          + (value if value is not None else "removed"))
+
 
 @dataclass(frozen=True)
 class LaunchFlag:
