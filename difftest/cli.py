@@ -3,6 +3,7 @@ or a false alarm), 2 bad input or usage, 3 internal error."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -55,6 +56,22 @@ def quiet_engines(verbose: bool) -> None:
 def fail(message: str, code: int = EXIT_INPUT) -> None:
     typer.echo(f"difftest: error: {message}", err=True)
     raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def one_line_errors(verbose: bool):
+    """Bad input is one line and exit 2; anything else is an engine or harness bug, one line
+    and exit 3 (the traceback with -v). typer.Exit (a verdict's exit code) passes through."""
+    try:
+        yield
+    except InputError as exc:
+        fail(str(exc))
+    except typer.Exit:
+        raise
+    except Exception as exc:
+        if verbose:
+            raise
+        fail(f"internal error: {type(exc).__name__}: {exc} (rerun with -v for the traceback)", EXIT_INTERNAL)
 
 
 def parse_dtype(name: str):
@@ -123,7 +140,7 @@ def report(
     # One display for the whole run: the fixture build (when it is the default one) and each report.
     tracker = Tracker(not quiet)
     inputs = (checkpoint, target, states, serve, launch_file, training_run, training_metrics, baseline)
-    try:
+    with one_line_errors(verbose):
         with output_dir(out, inputs), tracker.live():
             jobs: list[tuple[Path, Path]] = []
             extra: dict = {}
@@ -183,14 +200,6 @@ def report(
                     codes.append(EXIT_DIVERGED if found else EXIT_PARITY)
                 else:
                     codes.append(EXIT_PARITY if rep["verdict"] == "PARITY" else EXIT_DIVERGED)
-    except InputError as exc:
-        fail(str(exc))
-    except typer.Exit:
-        raise
-    except Exception as exc:  # an engine or harness bug, not the user's input
-        if verbose:
-            raise
-        fail(f"internal error: {type(exc).__name__}: {exc} (rerun with -v for the traceback)", EXIT_INTERNAL)
     raise typer.Exit(max(codes))
 
 
@@ -294,17 +303,9 @@ def convert(
     quiet_engines(verbose)
     from difftest.outputs import output_dir
 
-    try:
+    with one_line_errors(verbose):
         with output_dir(reports, (checkpoint, target, states, out), flag="--reports"):
             rep, paths = _convert(checkpoint, out, target, states, reports, quiet, force)
-    except InputError as exc:
-        fail(str(exc))
-    except typer.Exit:
-        raise
-    except Exception as exc:
-        if verbose:
-            raise
-        fail(f"internal error: {type(exc).__name__}: {exc} (rerun with -v for the traceback)", EXIT_INTERNAL)
     from difftest.report.build import verdict_line
 
     typer.echo(verdict_line(rep))
@@ -391,18 +392,10 @@ def selftest(
         console.print(f"{mark} {o.fixture} {o.dtype} {o.fault}: expected {o.expected_at} / {o.expected_cause}, "
                       f"found {o.found_at} / {o.found_cause} ({o.seconds:.1f}s)", highlight=False)
 
-    try:
+    with one_line_errors(verbose):
         with output_dir(out, owned=("selftest.json", "selftest.md")):
             score = run_selftest(fixture, dtypes=dtype, only=fault, on_outcome=show)
             paths = write_selftest(score, out)
-    except InputError as exc:
-        fail(str(exc))
-    except typer.Exit:
-        raise
-    except Exception as exc:
-        if verbose:
-            raise
-        fail(f"internal error: {type(exc).__name__}: {exc} (rerun with -v for the traceback)", EXIT_INTERNAL)
     if not quiet:
         from difftest.selftest import render_table
 
@@ -438,7 +431,7 @@ def fuzz(
 
     from difftest.outputs import output_dir
 
-    try:
+    with one_line_errors(verbose):
         with output_dir(out, owned=("fuzz.json",)), steps(not quiet, "difftest fuzz") as step:
             count = [0]
 
@@ -452,12 +445,6 @@ def fuzz(
                 minimal = fz.shrink(sig, budget=shrink_budget, seed=seed, dtype=dtype)
                 if minimal is not None:
                     summary.minimal[sig] = minimal
-    except InputError as exc:
-        fail(str(exc))
-    except Exception as exc:
-        if verbose:
-            raise
-        fail(f"internal error: {type(exc).__name__}: {exc} (rerun with -v for the traceback)", EXIT_INTERNAL)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"examples": len(summary.outcomes), "seconds": summary.seconds, "examples_per_minute": summary.examples_per_minute,
            "signatures": [{"verdict": v, "cause": c, "first_divergence": p, "count": n}
