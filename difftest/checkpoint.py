@@ -300,11 +300,12 @@ def _safetensors_copy_of_pickles(path: Path):
     return scratch
 
 
-def load_checkpoint(path: str | Path, allow_pickle: bool = False) -> Checkpoint:
+def load_checkpoint(path: str | Path, allow_pickle: bool = False, config_file: str | Path | None = None) -> Checkpoint:
+    """`config_file`: the config a server reads in place of the directory's own config.json."""
     path = Path(path)
     if not path.is_dir():
         raise InputError(f"{path}: checkpoint directory not found")
-    cfg_file = path / "config.json"
+    cfg_file = Path(config_file) if config_file is not None else path / "config.json"
     if not cfg_file.is_file():
         raise InputError(f"{path}: config.json not found")
     try:

@@ -57,21 +57,34 @@ RULES: tuple[Rule, ...] = (
                       "Nothing was served, so nothing was compared."),
          fix=("Write the config `difftest convert TRAIN_CKPT OUT` writes: every field SGLang reads, draft_vocab_size "
               "(the lm_head's rows) and target_hidden_size included.")),
+    # Under EAGLE, a wrong token map is the more specific cause: the map alone scrambles every id.
+    Rule("speculative_token_map_differs", findings=("speculative_token_map_differs",),
+         explanation="The worker reads draft ids through --speculative-token-map, which is not the map the draft was trained with.",
+         fix="Drop --speculative-token-map and launch with --speculative-algorithm EAGLE3: the served d2t is then used."),
     Rule("speculative_algorithm_not_eagle3", findings=("speculative_algorithm_not_eagle3",),
          explanation=("The launch command serves an EAGLE-3 draft with --speculative-algorithm EAGLE. SGLang then "
                       "resolves no aux hidden-state capture (the draft gets the target's last state, and fc is skipped "
                       "by the width check) and its EAGLE worker replaces the draft's own head with the target's "
                       "(set_embed_and_head). Nothing fails; acceptance collapses."),
          fix="Launch with --speculative-algorithm EAGLE3."),
+    Rule("draft_weights_random", findings=("draft_weights_random",),
+         explanation=("The launch command loads the draft with the dummy load format: SGLang's DummyModelLoader "
+                      "fills every parameter with random values and reads none of the served files. The server starts "
+                      "and drafts, and every draft token is noise."),
+         fix=("Drop the dummy load format (--speculative-draft-load-format, or a --load-format dummy the draft "
+              "inherits) so the served weights are read.")),
+    Rule("draft_window_differs", findings=("draft_window_differs",),
+         explanation=("--speculative-draft-window-size makes SGLang's EAGLE-3 draft attend to a sliding window of "
+                      "recent tokens on every layer, a window training did not use; beyond it the draft's attention "
+                      "sees other keys than in training."),
+         fix=("Drop --speculative-draft-window-size, or set it to the window training's config declares "
+              "(sliding_window on a sliding_attention draft layer).")),
     Rule("launch_override_reaches_draft", findings=("launch_override_reaches_draft",),
          explanation=("The launch command's --json-model-override-args is applied by SGLang's ModelConfig to the "
                       "draft's config as well as the target's, so the draft is served with a field value its "
                       "directory does not hold and training did not use."),
          fix=("Drop the field from --json-model-override-args (an override meant for the target reaches the draft "
               "too), or set it in the served config.json to what training used.")),
-    Rule("speculative_token_map_differs", findings=("speculative_token_map_differs",),
-         explanation="The worker reads draft ids through --speculative-token-map, which is not the map the draft was trained with.",
-         fix="Drop --speculative-token-map and launch with --speculative-algorithm EAGLE3: the served d2t is then used."),
     # The config translation comes first: a lost flag also drops the keys of the module it would build.
     Rule("lm_head_replaced_by_target", findings=("lm_head_from_target",),
          explanation=("The serving worker replaced the draft's own draft-vocab head with the target's full-vocab head "

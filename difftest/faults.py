@@ -358,6 +358,16 @@ FAULTS: tuple[Fault, ...] = (
           "audit:launch", "speculative_token_map_ignored", _served_token_map, deployed=True, notice_only=True),
     Fault("launch_dtype_differs", "the launch serves the draft in another dtype than training's",
           "audit:launch", "served_dtype_differs", _served_other_dtype, deployed=True),
+    Fault("launch_eagle_token_map_disagrees", "--speculative-algorithm EAGLE with a --speculative-token-map that "
+          "disagrees with the trained d2t: the worker reads draft ids through the wrong map",
+          "fc.input", "speculative_token_map_differs",
+          lambda ws: (_served_token_map(ws), ws.set_launch_flag("--speculative-algorithm", "EAGLE")), deployed=True),
+    Fault("launch_draft_load_format_dummy", "--speculative-draft-load-format dummy left in the launch (a benchmark "
+          "setting): the draft serves random weights", "fc.input", "draft_weights_random",
+          lambda ws: ws.set_launch_flag("--speculative-draft-load-format", "dummy"), deployed=True),
+    Fault("launch_draft_window", "--speculative-draft-window-size shorter than the prompts, for a draft trained "
+          "with full attention over them", "layer0.attn_output", "draft_window_differs",
+          lambda ws: ws.set_launch_flag("--speculative-draft-window-size", "4"), deployed=True),
 )
 
 FAULTS_BY_NAME = {f.name: f for f in FAULTS}

@@ -348,7 +348,7 @@ def audit_deployment(inputs: RunInputs, served_dir: Path, launch_argv, plan, can
     from difftest.audit.deployment import check_launch, check_served_tensors, config_rows
     from difftest.audit.vocab import check_vocab
 
-    served = load_checkpoint(served_dir)
+    served = load_checkpoint(served_dir, config_file=plan.served_config_file)
     tensor_rows, tensor_findings = check_served_tensors(inputs.checkpoint, served, cand_run.ledger)
     launch_rows, launch_findings = check_launch(plan, dtype, inputs.checkpoint, served)
     return {"served_dir": str(served_dir), "launch_argv": list(launch_argv), "plan": plan.as_dict(),

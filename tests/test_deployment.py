@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest.faults import FAULTS, Workspace
+from difftest.faults import FAULTS, FAULTS_BY_NAME, Workspace
 from difftest.fixturegen.default import tiny_fixture
 from difftest.report import validate_report
 from difftest.states import load_states
@@ -49,7 +49,8 @@ def test_the_catalog_has_every_deployment_fault_the_issue_names():
     classes = " ".join(f.bug_class for f in DEPLOYMENT_FAULTS)
     for words in ("renamed by hand", "arange", "EAGLE for an EAGLE-3", "verbatim", "norm_before_fc missing", "rope theta",
                   "lm_head.weight missing", "--speculative-token-map", "another dtype", "--json-model-override-args",
-                  "no --dtype", "draft_vocab_size missing", "tie_word_embeddings switched on", "speculators-format"):
+                  "no --dtype", "draft_vocab_size missing", "tie_word_embeddings switched on", "speculators-format",
+                  "EAGLE with a --speculative-token-map", "load-format dummy", "window-size"):
         assert words in classes, words
 
 
@@ -121,8 +122,36 @@ def test_a_tree_launch_is_reported_as_not_simulated(tmp_path):
     proc, rep = _report(ws, tmp_path / "out")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     topk = next(r for r in rep["deployment"]["launch"] if r["flag"] == "--speculative-eagle-topk")
-    assert topk["value"] == 4 and topk["simulated"].startswith("not simulated")
+    assert topk["value"] == 4 and topk["simulated"] is False and "topk=1" in topk["instead"]
     assert any(f["cause"] == "launch_flag_not_simulated" for f in rep["audit"]["findings"])
+
+
+def test_multi_layer_eagle_is_reported_as_not_simulated_with_what_ran_instead(tmp_path):
+    ws = _deployed_workspace(tmp_path / "ws")
+    ws.launch.append("--enable-multi-layer-eagle")
+    proc, rep = _report(ws, tmp_path / "out")
+    assert proc.returncode == 0 and rep["verdict"] == "PARITY", proc.stdout + proc.stderr
+    row = next(r for r in rep["deployment"]["launch"] if r["flag"] == "--enable-multi-layer-eagle")
+    assert row["simulated"] is False and "EagleDraftWorker" in row["instead"]
+    notice = next(f for f in rep["audit"]["findings"] if f["cause"] == "launch_flag_not_simulated")
+    assert notice["measured"]["flag"] == "--enable-multi-layer-eagle"
+
+
+def test_a_decrypted_draft_config_is_what_sglang_reads_and_what_the_audit_compares(tmp_path):
+    """A speculators directory refused as it is serves through --decrypted-draft-config-file
+    naming a legacy config.json for it; the launch table shows the file, and the config audit
+    reads it in place of the directory's own."""
+    ws = _deployed_workspace(tmp_path / "ws")
+    legacy = ws.root / "legacy-config.json"
+    legacy.write_text((ws.served / "config.json").read_text())
+    FAULTS_BY_NAME["served_speculators_directory"].inject(ws)
+    ws.set_launch_flag("--decrypted-draft-config-file", str(legacy))
+    proc, rep = _report(ws, tmp_path / "out")
+    assert proc.returncode == 0 and rep["verdict"] == "PARITY", proc.stdout + proc.stderr
+    row = next(r for r in rep["deployment"]["launch"] if r["flag"] == "--decrypted-draft-config-file")
+    assert row["value"] == str(legacy) and row["simulated"]
+    assert rep["deployment"]["plan"]["served_config_file"] == str(legacy)
+    assert all(r["status"] == "carried" for r in rep["deployment"]["config"])
 
 
 def test_convert_writes_a_served_directory_and_proves_parity_on_it(tmp_path):

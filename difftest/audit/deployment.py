@@ -44,7 +44,10 @@ def check_served_tensors(training: Checkpoint, served: Checkpoint, ledger: LoadL
     served_names = set(served.tensor_names())
     expected: dict[str, str] = {}
     for name in training.tensor_names():
-        expected[legacy_name(speculators_name(name))] = name
+        # SGLang loads either spelling (`layers.0.` through load_weights' `model.` fallback);
+        # the legacy one is what a correct conversion writes, so a tensor in neither is missing there.
+        spellings = (legacy_name(speculators_name(name)), speculators_name(name))
+        expected[next((n for n in spellings if n in served_names), spellings[0])] = name
     for served_name, trained_name in sorted(expected.items()):
         into = ledger.tensors.get(served_name, (None, [], ""))[1]
         if served_name not in served_names:
@@ -102,9 +105,7 @@ def _hot_ids(served: Checkpoint) -> torch.Tensor | None:
 
 def check_launch(plan: DeploymentPlan, reference_dtype: torch.dtype, training: Checkpoint,
                  served: Checkpoint) -> tuple[list[dict], list[Finding]]:
-    rows = [dict(f.__dict__) for f in plan.flags]
-    for row in rows:
-        row["value"] = row["value"] if isinstance(row["value"], (int, float, str, bool, type(None))) else str(row["value"])
+    rows = [f.as_row() for f in plan.flags]
     findings: list[Finding] = []
     by_flag = {f.flag: f for f in plan.flags}
     algorithm = str(by_flag["--speculative-algorithm"].value)
@@ -140,11 +141,36 @@ def check_launch(plan: DeploymentPlan, reference_dtype: torch.dtype, training: C
             findings.append(Finding(CHECK_LAUNCH, "speculative_token_map_differs", Severity.ERROR,
                                     f"--speculative-token-map {how}: the worker reads draft ids through it",
                                     {"agrees": agree, "undo": {"flag": "--speculative-token-map", "value": None}}))
+    load_format = next(f for f in plan.flags if f.flag in ("--speculative-draft-load-format", "--load-format"))
+    if load_format.value == "dummy":
+        findings.append(Finding(CHECK_LAUNCH, "draft_weights_random", Severity.ERROR,
+                                f"{load_format.flag} dummy: SGLang's DummyModelLoader fills every draft parameter with "
+                                "random values and reads none of the served files",
+                                {"flag": load_format.flag, "undo": {"flag": load_format.flag, "value": None}}))
+    window = by_flag.get("--speculative-draft-window-size")
+    trained_window = _declared_window(training.config)
+    if window is not None and window.value != trained_window:
+        findings.append(Finding(CHECK_LAUNCH, "draft_window_differs", Severity.ERROR,
+                                f"--speculative-draft-window-size {window.value}: the served draft attends to the last "
+                                f"{window.value} tokens only; training's config declares "
+                                + ("full attention" if trained_window is None else f"a window of {trained_window}"),
+                                {"served": window.value, "training": trained_window,
+                                 "undo": {"flag": window.flag, "value": None}}))
     for flag in plan.flags:
-        if flag.simulated.startswith("not simulated"):
+        if not flag.simulated:
             findings.append(Finding(CHECK_LAUNCH, "launch_flag_not_simulated", Severity.INFO,
-                                    f"{flag.flag} {flag.value}: {flag.simulated}", {"flag": flag.flag}))
+                                    f"{flag.flag} {flag.value}: {flag.how_run}", {"flag": flag.flag,
+                                                                                   "instead": flag.instead}))
     return rows, findings
+
+
+def _declared_window(config: dict) -> int | None:
+    """The sliding window the training checkpoint's config declares for the draft layer, in
+    either format (speculators nests the layer's config; the legacy layout is flat)."""
+    layer = config.get("transformer_layer_config", config)
+    kinds = layer.get("layer_types") or []
+    sliding = (kinds[0] == "sliding_attention") if kinds else bool(layer.get("use_sliding_window"))
+    return layer.get("sliding_window") if sliding else None
 
 
 def _override_findings(value: str, served: Checkpoint) -> list[Finding]:

@@ -60,8 +60,17 @@ class LaunchFlag:
     flag: str
     value: object
     effect: str  # what it changes in the draft's computation
-    simulated: str  # how difftest ran it here ("as given", or what was run instead and why)
     given: bool = True  # set on the command line (False: the engine's default)
+    simulated: bool = True  # run here as the server would run it
+    instead: str = ""  # when not simulated: what difftest ran instead, and why
+
+    @property
+    def how_run(self) -> str:
+        return "as given" if self.simulated else f"not simulated: {self.instead}"
+
+    def as_row(self) -> dict:
+        value = self.value if isinstance(self.value, (int, float, str, bool, type(None), list)) else str(self.value)
+        return dict(self.__dict__, value=value, how_run=self.how_run)
 
 
 @dataclass
@@ -72,12 +81,13 @@ class DeploymentPlan:
     chain_steps: int
     flags: list[LaunchFlag] = field(default_factory=list)
     served_config: dict = field(default_factory=dict)  # as the engine's own config code read it
+    served_config_file: str | None = None  # read in place of the served directory's config.json
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"dtype": str(self.dtype).removeprefix("torch."), "chain_steps": self.chain_steps,
-                "flags": [dict(f.__dict__, value=f.value if isinstance(f.value, (int, float, str, bool, type(None), list))
-                               else str(f.value)) for f in self.flags],
+                "served_config_file": self.served_config_file,
+                "flags": [f.as_row() for f in self.flags],
                 "notes": self.notes}
 
 
@@ -125,6 +135,7 @@ class ParamFate(str, Enum):
     WRITTEN = "written"  # from the checkpoint
     SHARED = "shared"  # from the target (embedding, head)
     INIT = "init"  # left at initialization
+    RANDOMIZED = "randomized"  # random values the launch asked the engine's loader for (a dummy load format)
 
 
 @dataclass

@@ -269,7 +269,7 @@ def _deployment_markdown(report: dict) -> list[str]:
     if dep.get("refused"):
         return lines + [f"**SGLang refuses this directory** before loading any weight: {dep['refused']}", ""]
     lines += ["| launch setting | value | what it changes in the draft | simulated here |", "|---|---|---|---|"]
-    lines += [f"| `{r['flag']}` | `{r['value']}`{'' if r['given'] else ' (default)'} | {r['effect']} | {r['simulated']} |"
+    lines += [f"| `{r['flag']}` | `{r['value']}`{'' if r['given'] else ' (default)'} | {r['effect']} | {r['how_run']} |"
               for r in dep["launch"]]
     lines += [""] + [f"- {n}" for n in dep["plan"].get("notes") or []]
     lines += ["", "| training tensor | served tensor | status | SGLang parameter |", "|---|---|---|---|"]

@@ -233,7 +233,7 @@ def render_html(report: dict) -> str:
                          if dep.get("refused") else "") + _table(
                          ["launch setting", "value", "what it changes in the draft", "simulated here"],
                          [[f"<code>{_e(r['flag'])}</code>", _e(r["value"]) + ("" if r["given"] else " (default)"),
-                           _e(r["effect"]), _e(r["simulated"])] for r in dep["launch"]]))
+                           _e(r["effect"]), _e(r["how_run"])] for r in dep["launch"]]))
         parts.append(_table(["training tensor", "served tensor", "status", "SGLang parameter"],
                             [[_e(r["training"] or "-"), _e(r["served"] or "-"), _e(r["status"]), _e(", ".join(r["into"]) or "-")]
                              for r in dep["tensors"]]))

@@ -81,6 +81,21 @@ def _loader_bars_follow_tqdm_disable():
         weight_utils.tqdm = shown
 
 
+@contextlib.contextmanager
+def _draft_spec(window: int | None):
+    """LlamaForCausalLMEagle3.__init__ reads --speculative-draft-window-size from the
+    published server args; hand it this launch's value without publishing a speculative
+    config process-wide (other models in this process must not see it)."""
+    from sglang.srt.models import llama_eagle3
+
+    published = llama_eagle3.get_spec
+    llama_eagle3.get_spec = lambda: SimpleNamespace(speculative_draft_window_size=window)
+    try:
+        yield
+    finally:
+        llama_eagle3.get_spec = published
+
+
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
@@ -251,8 +266,7 @@ class SGLangAdapter:
         ensure_runtime(options.device)
         from difftest.engines.sglang_engine.launch import deployment_plan
 
-        plan, _, _ = deployment_plan(options.serving.deployment, target.path, options.device, options.dtype)
-        return plan
+        return deployment_plan(options.serving.deployment, target.path, options.device, options.dtype).plan
 
     @torch.no_grad()
     def capture_target(self, checkpoint: Checkpoint, target: TargetWeights, sequences: list[list[int]],
@@ -320,29 +334,42 @@ class SGLangAdapter:
         from sglang.srt.configs.load_config import LoadConfig
         from sglang.srt.model_loader.loader import DefaultModelLoader
         from sglang.srt.model_loader.utils import get_model_architecture
+        from sglang.srt.model_loader.weight_utils import initialize_dummy_weights
 
         from difftest.engines.sglang_engine.launch import deployment_plan
 
-        plan, server_args, draft_config = deployment_plan(options.serving.deployment, target.path, options.device,
-                                                          options.dtype)
+        launch = deployment_plan(options.serving.deployment, target.path, options.device, options.dtype)
+        plan, server_args, draft_config = launch.plan, launch.server_args, launch.draft_config
         model_cls, arch = get_model_architecture(draft_config)
         try:
-            with _default_dtype(draft_config.dtype), torch.device(options.device):
+            with _default_dtype(draft_config.dtype), torch.device(options.device), _draft_spec(launch.draft_window):
                 model = model_cls(config=draft_config.hf_config).eval()
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             # e.g. a config without draft_vocab_size: transformers 5.19 gives the attribute no default
             served = options.serving.deployment.served_dir / "config.json"
             raise InputError(f"{served}: SGLang's {arch} cannot be built from it ({type(exc).__name__}: {exc})") from None
-        loader = DefaultModelLoader(LoadConfig(load_format=server_args.load_format))
-        served = ((name, name, tensor) for name, tensor in loader._get_all_weights(draft_config, model))
+        files = DefaultModelLoader(LoadConfig(load_format=launch.draft_load_format
+                                              if launch.draft_load_format != "dummy" else "auto"))
+        served = ((name, name, tensor) for name, tensor in files._get_all_weights(draft_config, model))
+        if launch.draft_load_format == "dummy":
+            # DummyModelLoader.load_model: random values in every parameter, no file read.
+            unread = [name for name, _, _ in served]
+            with torch.device(options.device):
+                initialize_dummy_weights(model)
+            served = iter(())
         with _loader_bars_follow_tqdm_disable():
             model, ledger, share = self._load(model, served, target, options, str(server_args.speculative_algorithm),
-                                              server_args.speculative_token_map)
+                                              server_args.speculative_token_map,
+                                              randomized=launch.draft_load_format == "dummy")
+        if launch.draft_load_format == "dummy":
+            for name in unread:
+                ledger.tensors[name] = (TensorFate.IGNORED, [], "--speculative-draft-load-format dummy reads no file")
         details = {"conversion_notes": {}, "served_config": plan.served_config, "lm_head_path": share["path"],
                    "architecture": arch, "deployment": plan.as_dict()}
         return model, ledger, details
 
-    def _load(self, model, served, target: TargetWeights, options: RunOptions, algorithm: str, token_map=None):
+    def _load(self, model, served, target: TargetWeights, options: RunOptions, algorithm: str, token_map=None,
+              randomized: bool = False):
         """load_weights over (served name, checkpoint name, tensor), every weight_loader call
         recorded, then the worker's embedding and head sharing; unwritten parameters poisoned."""
         recorder = _LoadRecorder(model)
@@ -366,7 +393,11 @@ class SGLangAdapter:
         recorder.token_map_from = token_map_from
         share = self._share_target(model, target, options, algorithm, token_map)
         ledger = self._ledger(model, served_names, recorder, share["shared"])
-        self._poison_unwritten(model, ledger)
+        if randomized:  # the loader's own random values, kept: they are what the server would serve
+            for name in ledger.names(ParamFate.INIT):
+                ledger.params[name] = (ParamFate.RANDOMIZED, "random values from the dummy load format")
+        else:
+            self._poison_unwritten(model, ledger)
         return model, ledger, share
 
     def run(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, options: RunOptions,

@@ -15,6 +15,7 @@ import contextlib
 import io
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,7 +27,21 @@ from difftest.errors import InputError, ServingRefused
 LAUNCHERS = (("-m", "sglang.launch_server"), ("sglang", "serve"), ("sglang.launch_server",))
 # The EAGLE worker's tree drafting (topk > 1) runs kernels that exist only for GPUs.
 SIMULATED_TOPK = 1
-PATH_FLAGS = ("model_path", "speculative_draft_model_path", "speculative_token_map")
+PATH_FLAGS = ("model_path", "speculative_draft_model_path", "speculative_token_map", "decrypted_draft_config_file")
+# Draft load formats whose SGLang loader runs on a served directory alone (the others read
+# other files, quantize, or fetch from a service).
+SIMULATED_LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+
+
+@dataclass(frozen=True)
+class ResolvedLaunch:
+    """The launch as SGLang resolved it, and what the draft's build needs from it."""
+
+    plan: DeploymentPlan
+    server_args: object  # sglang ServerArgs
+    draft_config: object  # sglang ModelConfig, is_draft_model=True
+    draft_load_format: str  # the one difftest runs (a format it cannot run falls back to auto)
+    draft_window: int | None  # --speculative-draft-window-size
 
 
 def server_arguments(argv: tuple[str, ...], source: str) -> list[str]:
@@ -151,39 +166,63 @@ def deployment_plan(deployment: Deployment, target_path: Path, device: str, refe
     algorithm = str(resolved.speculative_algorithm)
     steps = int(resolved.speculative_num_steps or 1)
     topk = int(resolved.speculative_eagle_topk or 1)
+    # ModelRunner's draft load format: the draft's own flag, else the server's --load-format.
+    load_format = str(getattr(resolved.speculative_draft_load_format, "value", resolved.speculative_draft_load_format)
+                      or getattr(resolved.load_format, "value", resolved.load_format))
+    window = resolved.speculative_draft_window_size
     flags = [
         LaunchFlag("--speculative-algorithm", algorithm,
                    "EAGLE3: the target captures the draft's aux layers and the draft keeps its own head; EAGLE: no aux "
                    "capture (one target layer, fc skipped) and the target's head replaces the draft's",
-                   "as given" if algorithm in ("EAGLE", "EAGLE3") else f"not simulated: difftest runs EAGLE/EAGLE3 drafts only",
-                   "speculative_algorithm" in given),
+                   "speculative_algorithm" in given, simulated=algorithm in ("EAGLE", "EAGLE3"),
+                   instead="difftest runs EAGLE/EAGLE3 drafts only"),
         LaunchFlag("--dtype", str(draft_config.dtype).removeprefix("torch."),
-                   "the draft's weights and activations dtype (auto: the served config's torch_dtype)", "as given",
-                   "dtype" in given),
-        LaunchFlag("--speculative-num-steps", steps, "how many chained draft steps each round proposes",
-                   "as given: the chain length of the predicted acceptance", "speculative_num_steps" in given),
+                   "the draft's weights and activations dtype (auto: the served config's torch_dtype)", "dtype" in given),
+        LaunchFlag("--speculative-num-steps", steps, "how many chained draft steps each round proposes (the chain "
+                   "length of the predicted acceptance)", "speculative_num_steps" in given),
         LaunchFlag("--speculative-eagle-topk", topk, "branches per draft step (a tree above 1)",
-                   "as given" if topk <= SIMULATED_TOPK else
-                   f"not simulated: SGLang's tree drafting (topk {topk}) runs GPU-only kernels; difftest simulates "
-                   f"topk={SIMULATED_TOPK}, the chain along each tree's first branch", "speculative_eagle_topk" in given),
+                   "speculative_eagle_topk" in given, simulated=topk <= SIMULATED_TOPK,
+                   instead=f"SGLang's tree drafting (topk {topk}) runs GPU-only kernels; difftest simulates "
+                   f"topk={SIMULATED_TOPK}, the chain along each tree's first branch"),
+        LaunchFlag("--load-format" if "load_format" in given and "speculative_draft_load_format" not in given
+                   else "--speculative-draft-load-format", load_format,
+                   "how the draft's weights are read (dummy: random values, no file is read)",
+                   "speculative_draft_load_format" in given or "load_format" in given,
+                   simulated=load_format in SIMULATED_LOAD_FORMATS,
+                   instead=f"difftest reads the served files with SGLang's DefaultModelLoader (auto): the {load_format} "
+                   "loader needs files or services a served directory does not hold here"),
     ]
+    if window is not None:
+        flags.append(LaunchFlag("--speculative-draft-window-size", int(window),
+                                "the draft's attention sees only this many previous tokens (LlamaForCausalLMEagle3 sets "
+                                "it on every layer); the served config's sliding_window is not read", True))
+    if resolved.enable_multi_layer_eagle:
+        flags.append(LaunchFlag("--enable-multi-layer-eagle", True,
+                                "another worker (MultiLayerEagleWorkerV2) drives the draft", True, simulated=False,
+                                instead="difftest runs EagleDraftWorker's chain: the same draft forward, without the "
+                                "multi-layer worker's boundary-KV handling"))
+    if server_args.decrypted_draft_config_file:
+        flags.append(LaunchFlag("--decrypted-draft-config-file", server_args.decrypted_draft_config_file,
+                                "replaces the served directory's config.json for the draft", True))
     if resolved.speculative_token_map is not None:
         flags.append(LaunchFlag("--speculative-token-map", resolved.speculative_token_map,
                                 "EAGLE: the draft vocab's target ids (the target head's rows kept); EAGLE3: ignored by "
-                                "the worker (init_token_map), the served d2t is used", "as given", True))
+                                "the worker (init_token_map), the served d2t is used"))
     for dest, flag, effect in (("speculative_draft_model_quantization", "--speculative-draft-model-quantization",
                                 "the draft's weights quantized"),
                                ("quantization", "--quantization", "the target's (and by default the draft's) weights quantized"),
                                ("kv_cache_dtype", "--kv-cache-dtype", "the draft's attention reads a KV cache at this dtype"),
                                ("json_model_override_args", "--json-model-override-args",
-                                "config fields overridden for the target and the draft")):
+                                "config fields overridden for the target and the draft (applied by SGLang's ModelConfig)")):
         value = getattr(resolved, dest, None)
         if dest in given and value not in (None, "", "auto", "{}"):
-            how = ("as given: applied by SGLang's ModelConfig" if dest == "json_model_override_args"
-                   else "not simulated: difftest runs the draft unquantized at --dtype with a KV cache at that dtype")
-            flags.append(LaunchFlag(flag, value, effect, how, True))
+            flags.append(LaunchFlag(flag, value, effect, True, simulated=dest == "json_model_override_args",
+                                    instead="difftest runs the draft unquantized at --dtype with a KV cache at that dtype"))
     if draft_config.dtype != reference_dtype:
         notes.append(f"the draft runs in {flags[1].value}; training's reference runs in "
                      f"{str(reference_dtype).removeprefix('torch.')}")
-    return DeploymentPlan(dtype=draft_config.dtype, chain_steps=steps, flags=flags,
-                          served_config=draft_config.hf_config.to_dict(), notes=notes), server_args, draft_config
+    plan = DeploymentPlan(dtype=draft_config.dtype, chain_steps=steps, flags=flags,
+                          served_config=draft_config.hf_config.to_dict(), notes=notes,
+                          served_config_file=server_args.decrypted_draft_config_file or None)
+    return ResolvedLaunch(plan, server_args, draft_config, load_format if load_format in SIMULATED_LOAD_FORMATS
+                          else "auto", None if window is None else int(window))
