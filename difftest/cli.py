@@ -341,6 +341,8 @@ def _convert(checkpoint: Path, out: Path, target, states, reports: Path, quiet: 
     ckpt = load_checkpoint(checkpoint)
     validate_checkpoint(ckpt)
     target_path = pipeline.resolve_target_path(ckpt, target)
+    # Every input of the parity report is read before anything is written: bad input leaves no directory.
+    pipeline.prepare(checkpoint, target_path, states)
     if dest.exists() and not any(dest.iterdir()):
         dest.rmdir()  # empty: the atomic rename below needs the name free
     t0 = time.perf_counter()

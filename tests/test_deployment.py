@@ -182,6 +182,11 @@ def test_convert_never_writes_into_the_training_checkpoint_or_over_a_directory(t
     (taken / "keep.txt").write_text("mine")
     proc = _difftest("convert", str(fx.checkpoint), str(taken))
     assert proc.returncode == 2 and (taken / "keep.txt").read_text() == "mine" and "--force" in proc.stderr
+    # Inputs the parity report needs are read before anything is written.
+    fresh = tmp_path / "fresh"
+    proc = _difftest("convert", str(fx.checkpoint), str(fresh), "--states", str(tmp_path / "no-such-states"))
+    assert proc.returncode == 2 and "no-such-states" in proc.stderr and proc.stderr.count("\n") == 1
+    assert not fresh.exists() and not any(tmp_path.glob("fresh*"))
 
 
 def test_convert_force_replaces_an_existing_directory_whole(tmp_path):
