@@ -57,16 +57,17 @@ RULES: tuple[Rule, ...] = (
                       "Nothing was served, so nothing was compared."),
          fix=("Write the config `difftest convert TRAIN_CKPT OUT` writes: every field SGLang reads, draft_vocab_size "
               "(the lm_head's rows) and target_hidden_size included.")),
-    # Under EAGLE, a wrong token map is the more specific cause: the map alone scrambles every id.
-    Rule("speculative_token_map_differs", findings=("speculative_token_map_differs",),
-         explanation="The worker reads draft ids through --speculative-token-map, which is not the map the draft was trained with.",
-         fix="Drop --speculative-token-map and launch with --speculative-algorithm EAGLE3: the served d2t is then used."),
     Rule("speculative_algorithm_not_eagle3", findings=("speculative_algorithm_not_eagle3",),
          explanation=("The launch command serves an EAGLE-3 draft with --speculative-algorithm EAGLE. SGLang then "
                       "resolves no aux hidden-state capture (the draft gets the target's last state, and fc is skipped "
                       "by the width check) and its EAGLE worker replaces the draft's own head with the target's "
                       "(set_embed_and_head). Nothing fails; acceptance collapses."),
          fix="Launch with --speculative-algorithm EAGLE3."),
+    # Under EAGLE with a wrong token map, the algorithm comes first: EAGLE3 ignores the map, so
+    # fixing the algorithm alone recovers everything (the map is then named beside it).
+    Rule("speculative_token_map_differs", findings=("speculative_token_map_differs",),
+         explanation="The worker reads draft ids through --speculative-token-map, which is not the map the draft was trained with.",
+         fix="Drop --speculative-token-map and launch with --speculative-algorithm EAGLE3: the served d2t is then used."),
     Rule("draft_weights_random", findings=("draft_weights_random",),
          explanation=("The launch command loads the draft with the dummy load format: SGLang's DummyModelLoader "
                       "fills every parameter with random values and reads none of the served files. The server starts "

@@ -130,6 +130,8 @@ class Fault:
     # Caught by an informational finding: what the fault does is harmless to the draft's
     # computation, and the report must say so without a false verdict.
     notice_only: bool = False
+    # Other causes the report must name beside the headline (a fault with two parts).
+    also: tuple[str, ...] = ()
 
 
 def _d2t(edit: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Workspace], None]:
@@ -360,8 +362,9 @@ FAULTS: tuple[Fault, ...] = (
           "audit:launch", "served_dtype_differs", _served_other_dtype, deployed=True),
     Fault("launch_eagle_token_map_disagrees", "--speculative-algorithm EAGLE with a --speculative-token-map that "
           "disagrees with the trained d2t: the worker reads draft ids through the wrong map",
-          "fc.input", "speculative_token_map_differs",
-          lambda ws: (_served_token_map(ws), ws.set_launch_flag("--speculative-algorithm", "EAGLE")), deployed=True),
+          "fc.input", "speculative_algorithm_not_eagle3",
+          lambda ws: (_served_token_map(ws), ws.set_launch_flag("--speculative-algorithm", "EAGLE")), deployed=True,
+          also=("speculative_token_map_differs",)),
     Fault("launch_draft_load_format_dummy", "--speculative-draft-load-format dummy left in the launch (a benchmark "
           "setting): the draft serves random weights", "fc.input", "draft_weights_random",
           lambda ws: ws.set_launch_flag("--speculative-draft-load-format", "dummy"), deployed=True),

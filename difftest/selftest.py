@@ -53,12 +53,15 @@ class Outcome:
     # Measured cost in mean accept length: against the clean run, per engine side (filled by
     # run_selftest), or for a fault made after training, against training's own metric.
     cost: dict | None = None
+    # Causes the fault declares beside its headline that the report did not name.
+    unnamed_also: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
         if self.fault in (CLEAN, CLEAN_DEPLOYED):
             return self.found_cause is None
-        return self.found_at == self.expected_at and self.found_cause == self.expected_cause
+        return (self.found_at == self.expected_at and self.found_cause == self.expected_cause
+                and not self.unnamed_also)
 
     def as_dict(self) -> dict:
         return self.__dict__ | {"passed": self.passed}
@@ -175,6 +178,7 @@ def run_one(fx: SelftestFixture, states: CapturedStates, dtype_name: str, fault:
         expected_at=fault.caught_at if fault else "-", expected_cause=fault.diagnosis if fault else None,
         found_at=found_at, found_cause=found_cause,
         seconds=time.perf_counter() - t0, accept_length=accept, cost=cost,
+        unnamed_also=tuple(c for c in (fault.also if fault else ()) if diag is None or c not in diag.also),
     )
 
 

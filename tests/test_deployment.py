@@ -83,6 +83,7 @@ def test_each_deployment_fault_is_caught_at_its_place_through_the_cli(fault, tmp
         return
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert (rep["diagnosis"]["found_at"], rep["diagnosis"]["cause"]) == (fault.caught_at, fault.diagnosis)
+    assert set(fault.also) <= set(rep["diagnosis"]["also"]), rep["diagnosis"]["also"]
     assert proc.stdout.startswith("DIVERGED")
 
 
