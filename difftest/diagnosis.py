@@ -28,6 +28,9 @@ class Rule:
     findings: tuple[str, ...] = ()
     explanation: str = ""
     fix: str = ""
+    # A finding rule's home: the probes its cause can change. It is reported at the first of
+    # these that diverges, else at its audit check, never beside a probe it cannot affect.
+    home: tuple[str, ...] = ()
 
     def matches(self, first, errors: set[str]) -> bool:
         if self.findings and not errors.intersection(self.findings):
@@ -120,7 +123,7 @@ RULES: tuple[Rule, ...] = (
                       "(SGLang's load_weights ignores unknown names), so the parameters they were meant for stayed at "
                       "random init. Typical: decoder weights under `layers.0.*` where SGLang expects `midlayer.*`."),
          fix="Rename the checkpoint's keys to the serving format (speculators `layers.0.` -> SGLang `midlayer.`), e.g. with difftest's converter."),
-    Rule("lm_head_missing", findings=("lm_head_missing",),
+    Rule("lm_head_missing", home=("logits", "target_token"), findings=("lm_head_missing",),
          explanation=("The checkpoint has no lm_head, so the serving draft's head stayed at random init while speculators "
                       "fills its head from the verifier's rows. Every draft token is then noise."),
          fix="Ship lm_head.weight (draft_vocab_size x hidden) in the checkpoint."),
@@ -174,13 +177,24 @@ RULES: tuple[Rule, ...] = (
                       "by more than the dtype's tolerance: the target weights, its dtype or its forward differ between "
                       "the capture used for training and the server."),
          fix="Capture training data from the exact target checkpoint and dtype the server runs, or re-capture on the serving stack."),
-    Rule("d2t_convention", findings=("d2t_absolute_ids", "d2t_arange_subtracted", "d2t_all_zero", "d2t_t2d_disagree",
+    # The two d2t corruptions people make by hand, each named with its own fix before the family.
+    Rule("d2t_arange_subtracted", home=("target_token",), findings=("d2t_arange_subtracted",),
+         explanation=("d2t holds correct offsets with arange subtracted: the hand 'fix' of a d2t misread as absolute "
+                      "ids. Both engines compute target = draft + d2t[draft], so every draft token lands arange "
+                      "places before its trained target id and nothing is ever accepted."),
+         fix="Add arange back (d2t + arange(draft_vocab_size)), or re-save d2t from the training vocab mapping: "
+             "offsets, target = draft + d2t[draft]."),
+    Rule("d2t_absolute_ids", home=("target_token",), findings=("d2t_absolute_ids",),
+         explanation=("d2t holds absolute target ids where offsets belong. Both engines compute target = draft + "
+                      "d2t[draft], so every draft token is shifted by its own draft id."),
+         fix="Store offsets: d2t - arange(draft_vocab_size) (target = draft + d2t[draft])."),
+    Rule("d2t_convention", home=("target_token",), findings=("d2t_absolute_ids", "d2t_arange_subtracted", "d2t_all_zero", "d2t_t2d_disagree",
                                      "d2t_out_of_range", "d2t_not_unique", "d2t_bad_length", "d2t_bad_dtype"),
          explanation=("d2t does not hold offsets onto the ids the draft was trained on. Both engines compute "
                       "target = draft + d2t[draft], so absolute ids, or offsets with arange subtracted (the 'fix' "
                       "that breaks them), send every draft token to the wrong target id and nothing is ever accepted."),
          fix=D2T_FIX),
-    Rule("d2t_missing", findings=("d2t_missing", "t2d_bad_shape", "t2d_bad_count"),
+    Rule("d2t_missing", home=("target_token",), findings=("d2t_missing", "t2d_bad_shape", "t2d_bad_count"),
          explanation="The draft vocab is smaller than the target's but there is no usable mapping, so draft ids are read as target ids.",
          fix=D2T_FIX),
     Rule("served_tensor_changed", findings=("served_tensor_changed", "served_tensor_missing"),
@@ -298,7 +312,10 @@ def diagnose(comparison: Comparison, findings: list[Finding] = ()) -> Diagnosis 
         if rule.matches(first, causes):
             backing = [f for f in errors if f.cause in rule.findings]
             also = sorted({f.cause for f in errors if f.cause not in rule.findings})
-            return Diagnosis(rule.cause, rule.explanation, rule.fix, probe, [f.message for f in backing], also,
+            at = probe
+            if rule.home and probe not in rule.home:
+                at = next((r.probe for r in comparison.results if not r.ok and r.probe in rule.home), None)
+            return Diagnosis(rule.cause, rule.explanation, rule.fix, at, [f.message for f in backing], also,
                              [f.check for f in backing])
     where = f"at {first.probe} ({first.status.value})" if first else "in the audit"
     return Diagnosis(
@@ -352,13 +369,25 @@ SHORTFALL_CAUSES = ("checkpoint_changed_after_training", "vocab_map_out_of_step"
 
 
 def _own_cost_entry(finding: Finding, acceptance) -> dict:
-    """A cause costed by undoing it alone: the accept length the serving engine recovers."""
+    """A cause costed by undoing it alone: the accept length the engine it affects recovers."""
     cost = finding.measured["cost_accept_length"]
-    how = (f"measured by undoing it alone ({finding.measured['undone']}): the serving engine's predicted accept "
-           f"length recovers {cost:+.3f}")
+    engine = finding.measured.get("undone_in")
+    whose = f"{engine}'s" if engine else "the serving engine's"
+    how = f"measured by undoing it alone ({finding.measured['undone']}): {whose} predicted accept length recovers {cost:+.3f}"
     if acceptance is not None and abs(cost) <= acceptance.tolerance:
         how += f": costs nothing measurable (within ±{acceptance.tolerance})"
     return {"cost_accept_length": cost, "how": how}
+
+
+def _accounting_cause(shortfall: Finding, findings: list[Finding]) -> Finding | None:
+    """The specific cause whose undo alone brings the reference engine's step-1 acceptance
+    back within training's band: the test the shortfall audit itself applies, on the repaired copy."""
+    floor = shortfall.measured["training_full_acc_0"] - shortfall.measured["band"]
+    for f in findings:
+        repaired = f.measured.get("repaired_step1")
+        if f.severity is Severity.ERROR and repaired is not None and repaired >= floor:
+            return f
+    return None
 
 
 def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=None) -> Diagnosis | None:
@@ -405,6 +434,7 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
                "not measured on its own: the engines' gap is one figure for every serving cause")
         candidates.append((precision, {"cause": precision.cause, "found_at": precision.found_at, "side": "serving",
                                        "cost_accept_length": None, "how": how}))
+    demoted: list[dict] = []
     if shortfall:
         found = shortfall[0]
         short = diagnose(Comparison([]), [found])
@@ -412,6 +442,12 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
                  "cost_accept_length": found.measured.get("cost_accept_length"),
                  "how": "training's accept length (1 + sum of held-out full_acc_j) vs the reference engine's prediction"}
         candidates.append((short, entry))
+        specific = _accounting_cause(found, serving_findings)
+        if specific is not None:
+            # The symptom is that cause's measured effect: it heads the report no longer.
+            entry["how"] += (f"; the measured effect of {specific.cause}: with it undone "
+                             f"({specific.measured['undone']}) step-1 acceptance is back within training's band")
+            demoted.append(entry)
     ranked_causes = {d.cause for d, _ in candidates} | set().union(*(CAUSES[d.cause].findings for d, _ in candidates
                                                                     if d.cause in CAUSES))
     for cause, f in own_costs.items():
@@ -432,7 +468,8 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
             return 0.0
         return c
 
-    ordered = sorted(candidates, key=cost, reverse=True)  # stable: the rules' order breaks ties
+    # Stable: the rules' order breaks ties; a symptom a specific cause accounts for goes after every cause.
+    ordered = sorted(candidates, key=lambda item: (any(item[1] is d for d in demoted), -cost(item)))
     head = ordered[0][0]
     head.ranked = [entry for _, entry in ordered]
     # Every other error the audit found is listed too, and says plainly that it was not costed.

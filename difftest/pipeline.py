@@ -241,6 +241,9 @@ def run(
         on_step("acceptance: against training's held-out accuracy")
         findings += check_training_shortfall(accept, ref_run.chain, inputs.checkpoint, inputs.states, training_run,
                                              findings, capture_measured=parity is not None)
+    if accept is not None and deployment is None:
+        measure_repair_costs(findings, inputs, reference, RunOptions(dtype=dtype, device=device), chain_steps, ref_run,
+                             accept, training_metrics, on_step)
     if accept is not None and deployment is not None:
         measure_undo_costs(findings, inputs, serving.deployment, candidate, options, chain_steps, ref_run, accept,
                            training_metrics, on_step)
@@ -263,8 +266,8 @@ def measure_undo_costs(findings: list, inputs: RunInputs, deployment, candidate:
     from difftest.acceptance import compare_acceptance
 
     for finding in findings:
-        undo = finding.measured.get("undo")
-        if not undo or "cost_accept_length" in finding.measured:
+        undo = finding.measured.get("undo") or {}
+        if "flag" not in undo or "cost_accept_length" in finding.measured:
             continue
         undone = deployment.with_flag(undo["flag"], undo["value"])
         what = f"{undo['flag']} {undo['value']}" if undo["value"] is not None else f"without {undo['flag']}"
@@ -285,6 +288,34 @@ def measure_undo_costs(findings: list, inputs: RunInputs, deployment, candidate:
                                                   - accept.candidate.mean_accept_length)
         finding.measured["undone"] = what
         del run_undone
+        release_memory(False)
+
+
+def measure_repair_costs(findings: list, inputs: RunInputs, reference: EngineAdapter, options: RunOptions,
+                         chain_steps: int, ref_run: EngineRun, accept, training_metrics: dict | None,
+                         on_step: Callable[[str], None]) -> None:
+    """Each checkpoint cause costed on its own: a scratch copy with that one defect repaired
+    (difftest/repairs.py), its chain drafted again by the reference engine (both engines load
+    the same checkpoint, so the reference carries the defect's whole cost), and the accept
+    length it recovers recorded on the finding."""
+    from difftest.acceptance import compare_acceptance
+    from difftest.repairs import REPAIRS, repaired_copy
+
+    for finding in findings:
+        repair = (finding.measured.get("undo") or {}).get("repair")
+        if repair is None or "cost_accept_length" in finding.measured:
+            continue
+        on_step(f"{reference.name}: chain again with {REPAIRS[repair].undoes}, to cost {finding.cause} alone")
+        repaired = repaired_copy(inputs.checkpoint, repair)
+        run_repaired = reference.run(repaired, inputs.target, inputs.states, options, chain_steps=chain_steps)
+        recovered = compare_acceptance(run_repaired.chain, ref_run.chain, inputs.states, inputs.target, training_metrics)
+        finding.measured["cost_accept_length"] = (recovered.reference.mean_accept_length
+                                                  - accept.reference.mean_accept_length)
+        finding.measured["undone"] = REPAIRS[repair].undoes
+        finding.measured["undone_in"] = reference.name
+        # What the training-shortfall audit would read on the repaired copy (step-1 acceptance).
+        finding.measured["repaired_step1"] = recovered.reference.reach[0] if recovered.reference.reach else None
+        del run_repaired, repaired
         release_memory(False)
 
 

@@ -215,3 +215,29 @@ def test_a_launch_cause_is_costed_by_undoing_it_alone(fx, tmp_path):
     assert head["cause"] == "speculative_algorithm_not_eagle3"
     assert head["cost_accept_length"] == finding.measured["cost_accept_length"]
     assert head["how"].startswith("measured by undoing it alone (--speculative-algorithm EAGLE3)")
+
+
+def test_the_seeds_d2t_fix_headlines_its_own_cause_costed_by_undoing_it(fx, tmp_path):
+    """The hand 'fix' that subtracts arange from d2t. Both engines load it alike, so only
+    training's own metric shows the collapse. The headline is the vocab audit's
+    d2t_arange_subtracted, with its own fix and the accept length that drafting again on a copy
+    with d2t rebuilt from t2d recovers; the shortfall is shown as its measured effect."""
+    from difftest import pipeline
+    from difftest.diagnosis import CAUSES
+    from difftest.faults import FAULTS_BY_NAME, Workspace
+
+    ws = Workspace.copy_of(fx.checkpoint, load_states(fx.states), fx.target, tmp_path, torch.float32)
+    FAULTS_BY_NAME["d2t_arange_subtracted"].inject(ws)
+    before = tree_hash(ws.checkpoint)
+    inputs = pipeline.prepare(ws.checkpoint, ws.target, ws.states_file())
+    result = pipeline.run(inputs, dtype=torch.float32, chain_steps=3, training_metrics=json.loads(fx.training.read_text()),
+                          training_run=fx.training_run)
+    diag = result.diagnosis
+    assert (diag.cause, diag.found_at) == ("d2t_arange_subtracted", "audit:vocab"), diag.ranked
+    assert diag.fix == CAUSES["d2t_arange_subtracted"].fix
+    finding = next(f for f in result.findings if f.cause == "d2t_arange_subtracted")
+    assert finding.measured["undone_in"] == "speculators"
+    assert diag.ranked[0]["cost_accept_length"] == finding.measured["cost_accept_length"] > 0.2
+    symptom = next(e for e in diag.ranked if e["side"] == "training")
+    assert "measured effect of d2t_arange_subtracted" in symptom["how"] and symptom["cause"] in diag.also
+    assert tree_hash(ws.checkpoint) == before  # the repair is drafted on a scratch copy

@@ -15,6 +15,10 @@ def _err(cause: str, message: str, **measured) -> Finding:
     return Finding(CHECK, cause, Severity.ERROR, message, measured)
 
 
+# t2d says which ids the draft was trained on, so a d2t that disagrees with it can be rebuilt from it.
+REBUILD_FROM_T2D = {"undo": {"repair": "d2t_from_t2d"}}
+
+
 def mapping_summary(d2t: torch.Tensor | None, draft_vocab: int) -> dict:
     """What each engine does with the stored d2t, for the report."""
     if d2t is None:
@@ -58,16 +62,17 @@ def check_vocab(ckpt: Checkpoint) -> list[Finding]:
         if torch.equal(d2t.long(), truth):
             return out + [_err("d2t_absolute_ids", "d2t holds absolute target ids where offsets belong "
                                "(d2t == sorted(t2d ids)); every mapped token is shifted by its draft id",
-                               mismatched=int((mapped != truth).sum()))]
+                               mismatched=int((mapped != truth).sum()), **REBUILD_FROM_T2D)]
         if torch.equal(d2t.long() + 2 * ar, truth):
             return out + [_err("d2t_arange_subtracted", "d2t has arange subtracted from correct offsets "
                                "(d2t + 2*arange == t2d ids): the 'fix' that scrambles every token",
-                               mismatched=int((mapped != truth).sum()))]
+                               mismatched=int((mapped != truth).sum()), **REBUILD_FROM_T2D)]
         if not d2t.any():
             return out + [_err("d2t_all_zero", "d2t is all zeros: identity onto the first N target ids, "
-                               "while t2d selects others", mismatched=int((mapped != truth).sum()))]
+                               "while t2d selects others", mismatched=int((mapped != truth).sum()),
+                               **REBUILD_FROM_T2D)]
         out.append(_err("d2t_t2d_disagree", f"d2t and t2d disagree on {int((mapped != truth).sum())} of {N} draft ids",
-                        mismatched=int((mapped != truth).sum())))
+                        mismatched=int((mapped != truth).sum()), **REBUILD_FROM_T2D))
     elif truth is None and not d2t.any() and N < V:
         out.append(Finding(CHECK, "d2t_all_zero", Severity.ERROR,
                            "d2t is all zeros: identity onto the first N target ids (no t2d to confirm)"))
