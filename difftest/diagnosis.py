@@ -382,6 +382,8 @@ def _own_cost_entry(finding: Finding, acceptance) -> dict:
 def _accounting_cause(shortfall: Finding, findings: list[Finding]) -> Finding | None:
     """The specific cause whose undo alone brings the reference engine's step-1 acceptance
     back within training's band: the test the shortfall audit itself applies, on the repaired copy."""
+    if "training_full_acc_0" not in shortfall.measured or "band" not in shortfall.measured:
+        return None
     floor = shortfall.measured["training_full_acc_0"] - shortfall.measured["band"]
     for f in findings:
         repaired = f.measured.get("repaired_step1")
