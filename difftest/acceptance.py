@@ -198,7 +198,13 @@ def explain(acc: AcceptanceComparison, diagnosis) -> list[str]:
         lines.append(f"{cand.engine} and {ref.engine} predict the same acceptance: mean accept length "
                      f"{cand.mean_accept_length:.3f} vs {ref.mean_accept_length:.3f} (gap {acc.gap:+.3f}, tolerance "
                      f"±{acc.tolerance}); {acc.same_length_rows:.1%} of rows accept exactly as many steps in both.")
-        serving = _serving_cause(diagnosis)
+        head = (getattr(diagnosis, "ranked", None) or [{}])[0]
+        if head.get("cost_accept_length") is not None and head["cost_accept_length"] > acc.tolerance:
+            # What both engines load alike costs acceptance all the same; only training's
+            # metric, or undoing it, can show that.
+            lines.append(f"Both engines carry {head['cause']} ({head['found_at']}) alike, so comparing them cannot show "
+                         f"its cost: {head['cost_accept_length']:+.3f} accept length, {head['how']}.")
+        serving = _serving_cause(diagnosis, skip=head.get("cause"))
         if serving is not None:
             lines.append(f"The divergence found between the engines ({serving}) changes some draft tokens, but not "
                          f"enough of the accepted ones to move acceptance beyond the tolerance: it costs nothing measurable.")
@@ -225,12 +231,12 @@ def explain(acc: AcceptanceComparison, diagnosis) -> list[str]:
     return lines
 
 
-def _serving_cause(diagnosis) -> str | None:
+def _serving_cause(diagnosis, skip: str | None = None) -> str | None:
     """The serving-side cause in a diagnosis (the headline, or a lower-ranked one), with its probe."""
     if diagnosis is None:
         return None
     for entry in getattr(diagnosis, "ranked", None) or [{"cause": diagnosis.cause, "found_at": diagnosis.found_at,
                                                           "side": "serving"}]:
-        if entry.get("side") == "serving":
+        if entry.get("side") == "serving" and entry["cause"] != skip:
             return f"{entry['cause']}, at {entry['found_at']}"
     return None

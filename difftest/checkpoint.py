@@ -88,6 +88,25 @@ def rope_of(layer_cfg: dict) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+def declared_window(config: dict) -> int | None:
+    """The sliding window a draft config declares for its layer, in either format (speculators
+    nests the layer's config; the legacy layout is flat); None for full attention."""
+    layer = config.get("transformer_layer_config", config)
+    kinds = layer.get("layer_types") or []
+    sliding = (kinds[0] == "sliding_attention") if kinds else bool(layer.get("use_sliding_window"))
+    return layer.get("sliding_window") if sliding else None
+
+
+def rope_acts_beyond(config: dict) -> int | None:
+    """The position past which the declared rope scaling changes anything: dynamic NTK and
+    longrope switch on past the original context; others act at every position (None)."""
+    layer = config.get("transformer_layer_config", config)
+    _theta, scaling = rope_of(layer)
+    if not scaling or scaling.get("rope_type") not in ("dynamic", "longrope"):
+        return None
+    return int(scaling.get("original_max_position_embeddings") or layer.get("max_position_embeddings") or 0) or None
+
+
 def spec_from_config(config: dict[str, Any], fmt: CheckpointFormat) -> DraftSpec:
     try:
         if fmt is CheckpointFormat.SPECULATORS:

@@ -33,6 +33,9 @@ class ProbeResult:
     tolerance: dict[str, float] = field(default_factory=dict)
     would_pass_at: dict[str, float] = field(default_factory=dict)
     detail: str = ""
+    # the low-precision dtype at which both sides become equal (a precision mismatch, not
+    # different math); None when rounding does not explain the difference
+    equal_after_rounding_to: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -46,6 +49,7 @@ class ProbeResult:
             "tolerance": self.tolerance,
             "would_pass_at": self.would_pass_at,
             "detail": self.detail,
+            "equal_after_rounding_to": self.equal_after_rounding_to,
         }
 
 
@@ -71,13 +75,14 @@ def make_activation_check(tol: Tolerance) -> Callable[[str, torch.Tensor, torch.
     def check(name: str, ref: torch.Tensor, cand: torch.Tensor) -> ProbeResult:
         m = activation_metrics(ref, cand)
         ok = m["rel_max"] <= tol.rel_max and m["rel_diff"] <= tol.rel_diff
-        detail = ""
+        detail, rounded_to = "", None
         if not ok:
             # A difference that vanishes when both sides are rounded to a low-precision
             # dtype is a precision mismatch, not different math: say so.
             for low in (torch.bfloat16, torch.float16):
                 if ref.dtype != low and torch.equal(ref.to(low), cand.to(low)):
-                    detail = f"within low-precision rounding: equal after rounding both to {str(low).replace('torch.', '')}"
+                    rounded_to = str(low).replace("torch.", "")
+                    detail = f"within low-precision rounding: equal after rounding both to {rounded_to}"
                     break
         return ProbeResult(
             probe=name,
@@ -86,6 +91,7 @@ def make_activation_check(tol: Tolerance) -> Callable[[str, torch.Tensor, torch.
             tolerance={"rel_max": tol.rel_max, "rel_diff": tol.rel_diff},
             would_pass_at={"rel_max": m["rel_max"], "rel_diff": m["rel_diff"]},
             detail=detail,
+            equal_after_rounding_to=rounded_to,
         )
 
     return check

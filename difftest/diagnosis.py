@@ -23,7 +23,7 @@ class Rule:
     # first divergence at one of these; empty: the rule does not look at the probes
     probes: tuple[str, ...] = ()
     statuses: tuple[Status, ...] = ANY_DIVERGENCE
-    detail_contains: str = ""
+    rounding_only: bool = False  # the first divergence must vanish at a lower precision
     # an error finding with one of these causes must be present; empty: none needed
     findings: tuple[str, ...] = ()
     explanation: str = ""
@@ -38,7 +38,7 @@ class Rule:
         if not self.probes:
             return bool(self.findings)
         return (first is not None and first.probe in self.probes and first.status in self.statuses
-                and self.detail_contains in first.detail)
+                and (not self.rounding_only or first.equal_after_rounding_to is not None))
 
 
 D2T_FIX = "Store d2t as offsets, target = draft + d2t[draft], with t2d the boolean mask of the same ids; rebuild both from the training vocab mapping."
@@ -223,7 +223,7 @@ RULES: tuple[Rule, ...] = (
              "with norm_before_residual=true (the residual is the normed hidden state), and the serving engine "
              "adds the un-normed hidden state."),
          fix="Train with norm_before_residual=false for SGLang, or use a serving build that honors norm_before_residual."),
-    Rule("embedding_precision", probes=("embed",), detail_contains="within low-precision rounding",
+    Rule("embedding_precision", probes=("embed",), rounding_only=True,
          explanation=(
              "The embeddings differ only by rounding: the checkpoint carries a low-precision copy of the target's "
              "embedding, which speculators uses, while SGLang's worker replaces it with the target's own (set_embed) "
@@ -286,7 +286,8 @@ class Diagnosis:
     also: list[str] = field(default_factory=list)  # other error findings' causes
     evidence_checks: list[str] = field(default_factory=list)  # the audit checks that produced the evidence
     # Every cause considered for the headline, most costly first: {cause, found_at, side,
-    # cost_accept_length (None: not measurable), how}. The headline is its first entry.
+    # cost_accept_length (None: not measured), within_tolerance (measured, and inside the
+    # accept-length tolerance: costs nothing measurable), how}. The headline is its first entry.
     ranked: list[dict] = field(default_factory=list)
 
     @property
@@ -330,7 +331,7 @@ def _precision_only_first(comparison: Comparison, serving: Diagnosis | None) -> 
     """The precision diagnosis of the first divergent probe, when it differs by rounding alone
     and the serving headline is some other cause found by the audit."""
     first = comparison.first_divergence
-    if serving is None or first is None or "within low-precision rounding" not in first.detail:
+    if serving is None or first is None or first.equal_after_rounding_to is None:
         return None
     if not serving.evidence or serving.cause == "embedding_precision":
         return None
@@ -359,8 +360,8 @@ def _probe_owned_by_other_cause(comparison: Comparison, serving: Diagnosis | Non
 
 
 def _home_probe(cause: str, comparison: Comparison) -> str | None:
-    """The first divergent probe where this cause's own probe rule looks, if any fails there."""
-    homes = {p for r in RULES if r.cause == cause for p in r.probes}
+    """The first divergent probe where this cause's own rule looks or acts, if any fails there."""
+    homes = {p for r in RULES if r.cause == cause for p in (*r.probes, *r.home)}
     return next((r.probe for r in comparison.results if not r.ok and r.probe in homes), None)
 
 
@@ -374,9 +375,10 @@ def _own_cost_entry(finding: Finding, acceptance) -> dict:
     engine = finding.measured.get("undone_in")
     whose = f"{engine}'s" if engine else "the serving engine's"
     how = f"measured by undoing it alone ({finding.measured['undone']}): {whose} predicted accept length recovers {cost:+.3f}"
-    if acceptance is not None and abs(cost) <= acceptance.tolerance:
+    negligible = acceptance is not None and abs(cost) <= acceptance.tolerance
+    if negligible:
         how += f": costs nothing measurable (within ±{acceptance.tolerance})"
-    return {"cost_accept_length": cost, "how": how}
+    return {"cost_accept_length": cost, "how": how, "within_tolerance": negligible}
 
 
 def _accounting_cause(shortfall: Finding, findings: list[Finding]) -> Finding | None:
@@ -427,7 +429,8 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
             entry["cost_accept_length"] = gap
             entry["how"] = (f"{acceptance.reference.engine} vs {acceptance.candidate.engine} predicted accept length on "
                             f"the same {acceptance.reference.scored_rows} rows")
-            if abs(gap) <= acceptance.tolerance:
+            entry["within_tolerance"] = abs(gap) <= acceptance.tolerance
+            if entry["within_tolerance"]:
                 entry["how"] += f": costs nothing measurable (within ±{acceptance.tolerance})"
         candidates.append((serving, entry))
     if precision is not None:
@@ -472,6 +475,10 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
 
     # Stable: the rules' order breaks ties; a symptom a specific cause accounts for goes after every cause.
     ordered = sorted(candidates, key=lambda item: (any(item[1] is d for d in demoted), -cost(item)))
+    # One cause, one entry: a cause both the shortfall audit and a serving audit name (states
+    # whose chunks are out of order) keeps its costlier measurement, not a second, contradicting one.
+    seen: set[str] = set()
+    ordered = [item for item in ordered if not (item[1]["cause"] in seen or seen.add(item[1]["cause"]))]
     head = ordered[0][0]
     head.ranked = [entry for _, entry in ordered]
     # Every other error the audit found is listed too, and says plainly that it was not costed.

@@ -242,8 +242,9 @@ def run(
         findings += check_training_shortfall(accept, ref_run.chain, inputs.checkpoint, inputs.states, training_run,
                                              findings, capture_measured=parity is not None)
     if accept is not None and deployment is None:
-        measure_repair_costs(findings, inputs, reference, RunOptions(dtype=dtype, device=device), chain_steps, ref_run,
-                             accept, training_metrics, on_step)
+        engines = {"reference": (reference, RunOptions(dtype=dtype, device=device)), "candidate": (candidate, cand_options)}
+        measure_repair_costs(findings, inputs, engines, chain_steps, ref_run, chain_states, accept, training_metrics,
+                             training_run, on_step)
     if accept is not None and deployment is not None:
         measure_undo_costs(findings, inputs, serving.deployment, candidate, options, chain_steps, ref_run, accept,
                            training_metrics, on_step)
@@ -291,30 +292,42 @@ def measure_undo_costs(findings: list, inputs: RunInputs, deployment, candidate:
         release_memory(False)
 
 
-def measure_repair_costs(findings: list, inputs: RunInputs, reference: EngineAdapter, options: RunOptions,
-                         chain_steps: int, ref_run: EngineRun, accept, training_metrics: dict | None,
+def measure_repair_costs(findings: list, inputs: RunInputs, engines: dict[str, tuple[EngineAdapter, RunOptions]],
+                         chain_steps: int, ref_run: EngineRun, chain_states: CapturedStates | None, accept,
+                         training_metrics: dict | None, training_run: Path | None,
                          on_step: Callable[[str], None]) -> None:
     """Each checkpoint cause costed on its own: a scratch copy with that one defect repaired
-    (difftest/repairs.py), its chain drafted again by the reference engine (both engines load
-    the same checkpoint, so the reference carries the defect's whole cost), and the accept
-    length it recovers recorded on the finding."""
+    (difftest/repairs.py), its chain drafted again by the engine the finding names (the
+    reference when both engines load the defect alike, so that it carries the whole cost; the
+    candidate when only it lost something), and the accept length that engine recovers
+    recorded on the finding."""
     from difftest.acceptance import compare_acceptance
-    from difftest.repairs import REPAIRS, repaired_copy
+    from difftest.repairs import RepairSources, repaired_copy
 
+    sources = RepairSources(inputs.target, training_run)
     for finding in findings:
-        repair = (finding.measured.get("undo") or {}).get("repair")
-        if repair is None or "cost_accept_length" in finding.measured:
+        undo = finding.measured.get("undo") or {}
+        if "repair" not in undo or "cost_accept_length" in finding.measured:
             continue
-        on_step(f"{reference.name}: chain again with {REPAIRS[repair].undoes}, to cost {finding.cause} alone")
-        repaired = repaired_copy(inputs.checkpoint, repair)
-        run_repaired = reference.run(repaired, inputs.target, inputs.states, options, chain_steps=chain_steps)
-        recovered = compare_acceptance(run_repaired.chain, ref_run.chain, inputs.states, inputs.target, training_metrics)
-        finding.measured["cost_accept_length"] = (recovered.reference.mean_accept_length
-                                                  - accept.reference.mean_accept_length)
-        finding.measured["undone"] = REPAIRS[repair].undoes
-        finding.measured["undone_in"] = reference.name
+        role = undo.get("engine", "reference")
+        engine, options = engines[role]
+        repaired, undone = repaired_copy(inputs.checkpoint, undo["repair"], sources)
+        on_step(f"{engine.name}: chain again with {undone}, to cost {finding.cause} alone")
+        run_repaired = engine.run(repaired, inputs.target, inputs.states, options, chain_steps=chain_steps,
+                                  chain_states=chain_states if role == "candidate" else None)
+        if role == "candidate":
+            recovered = compare_acceptance(ref_run.chain, run_repaired.chain, inputs.states, inputs.target,
+                                           training_metrics)
+            before, after = accept.candidate, recovered.candidate
+        else:
+            recovered = compare_acceptance(run_repaired.chain, ref_run.chain, inputs.states, inputs.target,
+                                           training_metrics)
+            before, after = accept.reference, recovered.reference
+        finding.measured["cost_accept_length"] = after.mean_accept_length - before.mean_accept_length
+        finding.measured["undone"] = undone
+        finding.measured["undone_in"] = engine.name
         # What the training-shortfall audit would read on the repaired copy (step-1 acceptance).
-        finding.measured["repaired_step1"] = recovered.reference.reach[0] if recovered.reference.reach else None
+        finding.measured["repaired_step1"] = after.reach[0] if after.reach else None
         del run_repaired, repaired
         release_memory(False)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from difftest.audit.findings import Severity
 from difftest.audit.vocab import check_vocab
 from difftest.checkpoint import load_checkpoint
 
@@ -137,3 +138,29 @@ def test_capture_check_sees_training_order_the_server_cannot_reproduce(tiny_copy
                               aux_hidden_states=torch.cat(st.aux_hidden_states.split(H, dim=-1)[::-1], dim=-1))
     ckpt = edit_config(tiny_copy / "legacy", lambda c: c["eagle_config"]["eagle_aux_hidden_state_layer_ids"].reverse())
     assert causes(capture_findings(ckpt, tiny, states=reversed_states)) == {"aux_layers_wrong_order"}
+
+
+@pytest.mark.parametrize("window", [2048, 4])
+def test_an_ignored_window_the_rows_cannot_reach_is_not_exercised_never_benign(tiny_copy, window):
+    """SGLang's draft ignores the sliding window. A window longer than every row the audit runs
+    changes nothing there: that is not shown to be harmless, and the finding says what row
+    length would measure it. A window the rows do reach is measured, as an error."""
+    from difftest.audit.config import audit_config
+    from difftest.pipeline import candidate_adapter, prepare, reference_adapter
+
+    cfg_path = tiny_copy / "speculators" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["transformer_layer_config"]["sliding_window"] = window
+    cfg_path.write_text(json.dumps(cfg))
+    inputs = prepare(tiny_copy / "speculators", tiny_copy / "target", tiny_copy / "states.safetensors")
+    _rows, findings = audit_config(inputs.checkpoint, inputs.target, inputs.states, reference_adapter(),
+                                   candidate_adapter())
+    found = [f for f in findings if f.cause == "sliding_window_ignored"]
+    assert found and Severity.BENIGN not in {f.severity for f in found}
+    longest = int(inputs.states.head(96).seq_lens.max())
+    if window >= longest:
+        assert {f.severity for f in found} == {Severity.NOT_EXERCISED}
+        assert all(f.measured["exercised_from_tokens"] == window + 1 and f.measured["longest_row"] == longest
+                   for f in found)
+    else:
+        assert Severity.ERROR in {f.severity for f in found}

@@ -59,7 +59,8 @@ def test_the_headline_is_the_most_costly_cause(ref, gap, shortfall, cause):
     else:
         assert diag.cause == "norm_before_residual_ignored"
     serving_entry = next(e for e in diag.ranked if e["side"] == "serving")
-    assert ("nothing measurable" in serving_entry["how"]) == (abs(gap) <= acc.tolerance)
+    assert serving_entry["within_tolerance"] == (abs(gap) <= acc.tolerance)
+    assert ("nothing measurable" in serving_entry["how"]) == serving_entry["within_tolerance"]
 
 
 def test_without_chains_a_cost_is_not_guessed():
@@ -100,7 +101,7 @@ def test_a_weight_edited_after_training_is_the_headline_not_the_free_divergence(
     head, *rest = diag["ranked"]
     assert head["cost_accept_length"] > 0.2, head
     free = next(e for e in rest if e["cause"] == "norm_before_residual_ignored")
-    assert "nothing measurable" in free["how"]
+    assert free["within_tolerance"] and "nothing measurable" in free["how"]
     finding = next(f for f in rep["audit"]["findings"] if f["check"] == "acceptance")
     changed = next(e for e in finding["measured"]["explanations"] if e["cause"] == "checkpoint_changed_after_training")
     assert changed["supported"] and changed["numbers"]["changed"] == ["fc.weight"]

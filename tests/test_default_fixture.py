@@ -217,27 +217,104 @@ def test_a_launch_cause_is_costed_by_undoing_it_alone(fx, tmp_path):
     assert head["how"].startswith("measured by undoing it alone (--speculative-algorithm EAGLE3)")
 
 
-def test_the_seeds_d2t_fix_headlines_its_own_cause_costed_by_undoing_it(fx, tmp_path):
-    """The hand 'fix' that subtracts arange from d2t. Both engines load it alike, so only
-    training's own metric shows the collapse. The headline is the vocab audit's
-    d2t_arange_subtracted, with its own fix and the accept length that drafting again on a copy
-    with d2t rebuilt from t2d recovers; the shortfall is shown as its measured effect."""
+@pytest.mark.parametrize("fault,cause,found_at,with_run,undone,undone_in", [
+    # Both engines map tokens through the same d2t: the mapped token diverges between them only
+    # when something upstream does, so the cause sits there or at the audit that found it.
+    # Both load it alike, so the reference engine carries its cost and training's metric shows it.
+    ("d2t_arange_subtracted", "d2t_arange_subtracted", ("target_token", "audit:vocab"), True, "d2t rebuilt as offsets",
+     "speculators"),
+    # speculators fills a missing head from the verifier (its load_verifier_weights); SGLang
+    # leaves it at init, so SGLang carries the cost.
+    ("lm_head_missing", "lm_head_missing", ("logits",), True, "lm_head.weight put back from the training run", "sglang"),
+    ("lm_head_missing", "lm_head_missing", ("logits",), False, "lm_head.weight rebuilt from the target's head rows",
+     "sglang"),
+])
+def test_a_checkpoint_defect_headlines_its_own_cause_costed_by_undoing_it(fx, tmp_path, fault, cause, found_at,
+                                                                          with_run, undone, undone_in):
+    """The seeds' d2t 'fix' that subtracts arange; a draft shipped without its lm_head. The
+    headline is the specific cause at its own place, with its own fix and the accept length that
+    drafting again on a repaired scratch copy recovers in the engine that lost it; a training
+    shortfall it causes is shown as its measured effect. Without the training run, the head is
+    rebuilt as speculators builds it."""
     from difftest import pipeline
     from difftest.diagnosis import CAUSES
     from difftest.faults import FAULTS_BY_NAME, Workspace
 
     ws = Workspace.copy_of(fx.checkpoint, load_states(fx.states), fx.target, tmp_path, torch.float32)
-    FAULTS_BY_NAME["d2t_arange_subtracted"].inject(ws)
+    FAULTS_BY_NAME[fault].inject(ws)
     before = tree_hash(ws.checkpoint)
     inputs = pipeline.prepare(ws.checkpoint, ws.target, ws.states_file())
     result = pipeline.run(inputs, dtype=torch.float32, chain_steps=3, training_metrics=json.loads(fx.training.read_text()),
-                          training_run=fx.training_run)
+                          training_run=fx.training_run if with_run else None)
     diag = result.diagnosis
-    assert (diag.cause, diag.found_at) == ("d2t_arange_subtracted", "audit:vocab"), diag.ranked
-    assert diag.fix == CAUSES["d2t_arange_subtracted"].fix
-    finding = next(f for f in result.findings if f.cause == "d2t_arange_subtracted")
-    assert finding.measured["undone_in"] == "speculators"
-    assert diag.ranked[0]["cost_accept_length"] == finding.measured["cost_accept_length"] > 0.2
-    symptom = next(e for e in diag.ranked if e["side"] == "training")
-    assert "measured effect of d2t_arange_subtracted" in symptom["how"] and symptom["cause"] in diag.also
+    assert diag.cause == cause and diag.found_at in found_at, diag.ranked
+    assert diag.fix == CAUSES[cause].fix
+    finding = next(f for f in result.findings if f.cause == cause)
+    assert finding.measured["undone_in"] == undone_in and finding.measured["undone"].startswith(undone)
+    assert diag.ranked[0]["cost_accept_length"] == finding.measured["cost_accept_length"] > 0.2, finding.measured
+    symptom = next((e for e in diag.ranked if e["side"] == "training"), None)
+    if undone_in == "speculators":
+        assert f"measured effect of {cause}" in symptom["how"] and symptom["cause"] in diag.also
+    else:
+        assert symptom is None  # the training engine computes what training did: no shortfall
     assert tree_hash(ws.checkpoint) == before  # the repair is drafted on a scratch copy
+
+
+def _states_chunks_reversed(ws):
+    from dataclasses import replace
+
+    st = ws.states
+    ws.states = replace(st, aux_hidden_states=torch.cat(st.aux_hidden_states.split(st.target_hidden_size, dim=-1)[::-1],
+                                                        dim=-1))
+
+
+def _weights_in_bf16(ws):
+    ws.edit_tensors(lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items() if v.is_floating_point()}))
+
+
+def _random_embedding_shipped(ws):
+    from difftest.target import load_target
+
+    embed = load_target(ws.target).embed.float()
+    g = torch.Generator().manual_seed(0)
+    ws.edit_tensors(lambda t: t.__setitem__("embed_tokens.weight", torch.randn(embed.shape, generator=g) * embed.std()))
+
+
+@pytest.mark.parametrize("case", ["states_chunks_reordered", "bf16_weights_at_fp32", "shipped_embedding_random"])
+def test_the_acceptance_first_cases_each_name_their_cause_at_its_place(fx, tmp_path, case):
+    """Three cases from the acceptance-first work, on the default draft with its training run:
+    states whose aux chunks were concatenated in another order (both engines agree, acceptance
+    collapses: the explanation must not call that free), bf16-stored weights run at fp32 (a
+    rounding difference at embed is named as precision, the later real divergence at its own
+    probe) and a draft that ships its own random embedding (which SGLang replaces)."""
+    from difftest import pipeline
+    from difftest.acceptance import explain
+    from difftest.diagnosis import CAUSES
+    from difftest.faults import Workspace
+    from difftest.report.build import build_report, verdict_line
+
+    ws = Workspace.copy_of(fx.checkpoint, load_states(fx.states), fx.target, tmp_path, torch.float32)
+    {"states_chunks_reordered": _states_chunks_reversed, "bf16_weights_at_fp32": _weights_in_bf16,
+     "shipped_embedding_random": _random_embedding_shipped}[case](ws)
+    inputs = pipeline.prepare(ws.checkpoint, ws.target, ws.states_file())
+    result = pipeline.run(inputs, dtype=torch.float32, chain_steps=3, training_metrics=json.loads(fx.training.read_text()),
+                          training_run=fx.training_run, measure_target_capture=True)
+    diag, line = result.diagnosis, verdict_line(build_report(result))
+    ranked = {e["cause"]: e for e in diag.ranked}
+    assert len(ranked) == len(diag.ranked), diag.ranked  # one entry per cause
+    if case == "states_chunks_reordered":
+        assert diag.cause == "aux_layers_wrong_order" and diag.ranked[0]["cost_accept_length"] > 0.2, diag.ranked
+        said = " ".join(explain(result.acceptance, diag))
+        assert "Both engines carry aux_layers_wrong_order" in said
+        assert "(aux_layers_wrong_order" not in said.split("Both engines carry")[0]  # never called free
+    elif case == "bf16_weights_at_fp32":
+        assert "first divergence at embed (embedding_precision)" in line, line
+        assert ranked["norm_before_residual_ignored"]["found_at"] == "layer0.post_attn_residual"
+        assert "--dtype auto" in CAUSES["embedding_precision"].fix
+    else:
+        finding = next(f for f in result.findings if f.cause == "shipped_embedding_replaced")
+        assert finding.measured["fates"] == {"speculators": "written", "sglang": "shared"}
+        assert ranked["shipped_embedding_replaced"]["found_at"] == "embed"
+        # Both engines agree the checkpoint is not what was trained: the shortfall names the tensor.
+        changed = next(f for f in result.findings if f.cause == "checkpoint_changed_after_training")
+        assert "embed_tokens.weight" in changed.message and diag.ranked[0]["cost_accept_length"] > 0.2

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from difftest.audit.findings import Finding, Severity
-from difftest.checkpoint import Checkpoint, CheckpointFormat, load_checkpoint
+from difftest.checkpoint import Checkpoint, CheckpointFormat, declared_window, load_checkpoint, rope_acts_beyond
 from difftest.compare import activation_metrics
 from difftest.engines.base import EngineAdapter, EngineRun, RunOptions
 from difftest.states import CapturedStates
@@ -47,6 +47,8 @@ class FieldRule:
     cause: str = "config_flag_not_carried"
     why: str = ""
     also: tuple[tuple[str, Any], ...] = ()  # companion settings a valid variant needs
+    # the row length past which the field acts at a config's values (None: at any length)
+    acts_beyond: Callable[[dict], int | None] | None = None
 
 
 def _toggle(v):
@@ -63,12 +65,16 @@ FIELD_RULES: tuple[FieldRule, ...] = (
     FieldRule("transformer_layer_config.rope_parameters.rope_theta", "behavioral", lambda v: v * 0.25, cause="rope_mismatch"),
     FieldRule("transformer_layer_config.rope_theta", "behavioral", lambda v: v * 0.25, cause="rope_mismatch"),
     FieldRule("transformer_layer_config.rope_parameters.rope_type", "behavioral", lambda v: "linear", "default", "rope_mismatch",
-              also=(("transformer_layer_config.rope_parameters.factor", 4.0),)),
-    FieldRule("transformer_layer_config.rope_scaling", "behavioral", lambda v: {"rope_type": "linear", "factor": 4.0}, None, "rope_mismatch"),
-    FieldRule("transformer_layer_config.sliding_window", "behavioral", lambda v: 2, None, "sliding_window_ignored"),
+              also=(("transformer_layer_config.rope_parameters.factor", 4.0),), acts_beyond=rope_acts_beyond),
+    FieldRule("transformer_layer_config.rope_scaling", "behavioral", lambda v: {"rope_type": "linear", "factor": 4.0}, None,
+              "rope_mismatch", acts_beyond=rope_acts_beyond),
+    FieldRule("transformer_layer_config.sliding_window", "behavioral", lambda v: 2, None, "sliding_window_ignored",
+              acts_beyond=declared_window),
     FieldRule("transformer_layer_config.layer_types", "behavioral",
-              lambda v: ["full_attention" if t == "sliding_attention" else "sliding_attention" for t in v], None, "sliding_window_ignored"),
-    FieldRule("transformer_layer_config.use_sliding_window", "behavioral", _toggle, None, "sliding_window_ignored"),
+              lambda v: ["full_attention" if t == "sliding_attention" else "sliding_attention" for t in v], None,
+              "sliding_window_ignored", acts_beyond=declared_window),
+    FieldRule("transformer_layer_config.use_sliding_window", "behavioral", _toggle, None, "sliding_window_ignored",
+              acts_beyond=declared_window),
     FieldRule("transformer_layer_config.hidden_act", "behavioral", lambda v: "gelu" if v != "gelu" else "silu"),
     FieldRule("transformer_layer_config.tie_word_embeddings", "behavioral", _toggle, None, "tied_embeddings"),
     FieldRule("transformer_layer_config.max_position_embeddings", "behavioral", lambda v: max(int(v) // 8, 64)),
@@ -265,11 +271,29 @@ def _ignored_finding(path, value, rule: FieldRule, base: Checkpoint, base_ref: E
                         "logits_rel_max": logits["rel_max"], "draft_token_agreement": agree}
     elif value == rule.neutral:
         measured = {"neutral_value": rule.neutral, "logits_rel_diff": 0.0, "draft_token_agreement": 1.0}
+    if measured and value == rule.neutral:
+        return Finding(CHECK, rule.cause, Severity.BENIGN,
+                       f"SGLang ignores {path}={value!r}; benign here: this checkpoint's value is the neutral one", measured)
     if measured and measured.get("logits_rel_max", 0.0) <= EFFECT_THRESHOLD:
-        reason = ("this checkpoint's value is the neutral one" if value == rule.neutral else
-                  f"at this checkpoint's value it makes no difference on these {e.states.num_tokens} tokens")
-        return Finding(CHECK, rule.cause, Severity.BENIGN, f"SGLang ignores {path}={value!r}; benign here: {reason}", measured)
+        return _not_exercised(path, value, rule, base, e, measured)
     return Finding(CHECK, rule.cause, Severity.ERROR,
                    f"SGLang ignores {path}={value!r}, which changes speculators' forward" +
                    (f" (vs {rule.neutral!r}: draft-token agreement {measured['draft_token_agreement']:.3f}, "
                     f"logits rel_diff {measured['logits_rel_diff']:.3g})" if measured else ""), measured)
+
+
+def _not_exercised(path, value, rule: FieldRule, base: Checkpoint, e: _Engines, measured: dict) -> Finding:
+    """An ignored field whose value is not the neutral one, yet changes nothing on the audit's
+    rows: they do not reach where it acts. Not benign; say what input would measure it."""
+    longest = int(e.states.seq_lens.max())
+    reach = rule.acts_beyond(base.config) if rule.acts_beyond else None
+    measured = {**measured, "longest_row": longest}
+    if reach is not None and longest <= reach:
+        measured["exercised_from_tokens"] = reach + 1
+        why = (f"it acts only on rows longer than {reach} tokens and the longest row the audit ran has {longest}; "
+               f"states with a row of at least {reach + 1} tokens would measure it")
+    else:
+        why = (f"at this checkpoint's value it changes nothing on these {e.states.num_tokens} tokens (longest row "
+               f"{longest}), so whether it matters cannot be told from them")
+    return Finding(CHECK, rule.cause, Severity.NOT_EXERCISED, f"SGLang ignores {path}={value!r}; not exercised here: {why}",
+                   measured)

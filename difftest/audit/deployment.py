@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from difftest.audit.findings import Finding, Severity
-from difftest.checkpoint import Checkpoint
+from difftest.checkpoint import Checkpoint, declared_window
 from difftest.convert import DTYPE_FLAG, legacy_name, speculators_name
 from difftest.engines.base import DeploymentPlan, LoadLedger
 
@@ -148,7 +148,7 @@ def check_launch(plan: DeploymentPlan, reference_dtype: torch.dtype, training: C
                                 "random values and reads none of the served files",
                                 {"flag": load_format.flag, "undo": {"flag": load_format.flag, "value": None}}))
     window = by_flag.get("--speculative-draft-window-size")
-    trained_window = _declared_window(training.config)
+    trained_window = declared_window(training.config)
     if window is not None and window.value != trained_window:
         findings.append(Finding(CHECK_LAUNCH, "draft_window_differs", Severity.ERROR,
                                 f"--speculative-draft-window-size {window.value}: the served draft attends to the last "
@@ -162,15 +162,6 @@ def check_launch(plan: DeploymentPlan, reference_dtype: torch.dtype, training: C
                                     f"{flag.flag} {flag.value}: {flag.how_run}", {"flag": flag.flag,
                                                                                    "instead": flag.instead}))
     return rows, findings
-
-
-def _declared_window(config: dict) -> int | None:
-    """The sliding window the training checkpoint's config declares for the draft layer, in
-    either format (speculators nests the layer's config; the legacy layout is flat)."""
-    layer = config.get("transformer_layer_config", config)
-    kinds = layer.get("layer_types") or []
-    sliding = (kinds[0] == "sliding_attention") if kinds else bool(layer.get("use_sliding_window"))
-    return layer.get("sliding_window") if sliding else None
 
 
 def _override_findings(value: str, served: Checkpoint) -> list[Finding]:

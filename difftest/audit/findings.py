@@ -9,6 +9,9 @@ from enum import Enum
 class Severity(str, Enum):
     ERROR = "error"  # changes what the serving draft computes
     BENIGN = "benign"  # a real difference, shown not to matter here (reason given)
+    # a real difference the inputs cannot reach (a window longer than every row): never benign,
+    # and it says what input would exercise it
+    NOT_EXERCISED = "not_exercised"
     INFO = "info"
 
 

@@ -30,9 +30,9 @@ def check_ledgers(reference: EngineRun, candidate: EngineRun) -> list[Finding]:
                            {"unused": unused}))
         dropped = [n for n in dropped if n not in unused]
         ref_dropped = [n for n in ref_dropped if n not in unused]
-    token_map = [n for n, (fate, into, _) in cand.tensors.items() if into == ["hot_token_id"]]
+    token_map = cand.token_map_writers
     if token_map and token_map != ["d2t"]:
-        final = next(n for n in token_map if "this + arange" in cand.tensors[n][2])
+        final = token_map[-1]
         out.append(Finding(CHECK, "token_map_from_other_tensor", Severity.ERROR,
                            f"{candidate.engine}'s load_weights turns every name containing 'd2t' into its token map: "
                            f"{token_map} all wrote hot_token_id, and {final} (the last) is the map it serves with",
@@ -45,10 +45,15 @@ def check_ledgers(reference: EngineRun, candidate: EngineRun) -> list[Finding]:
     head_init = [n for n in at_init if _is_head(n)]
     if head_init:
         ref_head = [n for n, (f, _) in ref.params.items() if _is_head(n) and not n.startswith("verifier_")]
-        how = ref.params[ref_head[0]][0].value if ref_head else "?"
+        ref_fate = ref.params[ref_head[0]][0] if ref_head else None
+        # Putting the trained head back into a copy undoes this cause alone (difftest/repairs.py),
+        # measured in the engine that lost it: the serving one, or the reference too when
+        # neither found a head (training's metric then shows the loss).
+        undo = {"undo": {"repair": "lm_head_restored",
+                         "engine": "reference" if ref_fate is ParamFate.INIT else "candidate"}}
         out.append(Finding(CHECK, "lm_head_missing", Severity.ERROR,
                            f"{candidate.engine} left {head_init[0]} at random init (no lm_head in the checkpoint); "
-                           f"{reference.engine}'s lm_head is {how}"))
+                           f"{reference.engine}'s lm_head is {ref_fate.value if ref_fate else '?'}", undo))
     embed_init = [n for n in at_init if _is_embed(n)]
     if embed_init:
         out.append(Finding(CHECK, "embedding_not_shared", Severity.ERROR,

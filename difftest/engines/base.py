@@ -144,6 +144,9 @@ class LoadLedger:
 
     tensors: dict[str, tuple[TensorFate, list[str], str]] = field(default_factory=dict)  # name -> (fate, into, note)
     params: dict[str, tuple[ParamFate, str]] = field(default_factory=dict)  # param -> (fate, note)
+    # checkpoint tensors that wrote the engine's draft-to-target token map, in load order: the
+    # last one is the map the engine drafts with
+    token_map_writers: list[str] = field(default_factory=list)
 
     def names(self, fate) -> list[str]:
         table = self.tensors if isinstance(fate, TensorFate) else self.params

@@ -79,16 +79,35 @@ class SpeculatorsAdapter:
             # holds about two copies while it loads, so loading a bf16 draft straight into fp32
             # peaks at twice the fp32 model (measured at the 8B shape: 9.8 GiB against 8.5).
             model = Eagle3DraftModel.from_pretrained(str(src), config=config)
+        self._mark_unloaded(model, checkpoint)
         # speculators initializes embed/lm_head to NaN; whatever is still NaN now is what
         # load_verifier_weights will fill from the target.
         nan_before_verifier = {n for n, t in model.state_dict().items() if _all_nan(t)}
         model.load_verifier_weights()
+        state = model.state_dict()
+        nan_before_verifier = {n for n in nan_before_verifier if not _all_nan(state[n])}  # what it filled
         self._share_target_embed(model, target, options, nan_before_verifier)
         model = model.to(device=options.device, dtype=options.dtype).eval()
         stored = checkpoint.stored_dtype()
         if any(p.dtype != stored for p in model.parameters()):
             self._release_checkpoint_file(model)
         return model, config, nan_before_verifier
+
+    @staticmethod
+    def _mark_unloaded(model, checkpoint: Checkpoint) -> None:
+        """speculators marks a weight not yet loaded with NaN (its __init__), and
+        load_verifier_weights fills a head or embedding that still has one. Under transformers
+        5's from_pretrained a key missing from the checkpoint is materialized from empty memory
+        instead, so whether a draft saved without lm_head gets the verifier's rows depended on
+        whether that memory happened to hold a NaN (seen both ways within one process). Putting
+        speculators' own marker back makes its documented behaviour the one that runs, every time."""
+        from difftest.convert import speculators_name
+
+        stored = {speculators_name(n) for n in checkpoint.tensor_names()}
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name not in stored and not name.startswith("verifier_") and param.is_floating_point():
+                    param.fill_(float("nan"))
 
     @staticmethod
     def _release_checkpoint_file(model) -> None:

@@ -58,7 +58,7 @@ def verdict_line(report: dict) -> str:
         c = entry.get("cost_accept_length")
         if c is None:
             return ""
-        if "nothing measurable" in entry.get("how", ""):
+        if entry.get("within_tolerance"):
             return ", costs nothing measurable"
         if c < 0:
             return f", costs {c:+.2f} accept length (the serving engine does better here)"
@@ -174,6 +174,11 @@ def render_markdown(report: dict) -> str:
     else:
         lines += ["Every probe agrees within the "
                   f"{report['tolerance']['dtype']} tolerance.", ""]
+    unreached = [f for f in (report.get("audit") or {}).get("findings", []) if f["severity"] == "not_exercised"]
+    if unreached:
+        lines += ["**Not exercised by these inputs** (not shown to be harmless; longer rows would measure them):", ""]
+        lines += [f"- `{f['cause']}`: {f['message']}" for f in unreached]
+        lines.append("")
     lines += _acceptance_markdown(report)
     lines += ["## Probes (dataflow order)", "",
               "| probe | status | rel_max | rel_diff | cosine | agreement | would pass at | detail |",

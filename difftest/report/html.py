@@ -30,6 +30,7 @@ tr.first td{background:#ffe3e0;font-weight:600}
 td.fail,td.missing,td.shape_mismatch,td.error{color:#b3261e;font-weight:700}
 td.pass{color:#1f7a3a}
 td.benign{color:#8a6d00}
+td.not_exercised{color:#a04a00;font-style:italic}
 code,pre{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px}
 pre{background:#f6f8fa;padding:10px;overflow-x:auto}
 img.plot{max-width:100%;border:1px solid #d0d7de}

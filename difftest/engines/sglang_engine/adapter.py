@@ -458,8 +458,8 @@ class SGLangAdapter:
 
     @staticmethod
     def _ledger(model, served_names: dict[str, str], recorder: "_LoadRecorder", shared: list[str]) -> LoadLedger:
-        ledger = LoadLedger()
         token_map_from = getattr(recorder, "token_map_from", [])
+        ledger = LoadLedger(token_map_writers=list(token_map_from))
         for original, served in served_names.items():
             if original in token_map_from:
                 last = original == token_map_from[-1]
