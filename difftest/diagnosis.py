@@ -287,7 +287,8 @@ class Diagnosis:
     evidence_checks: list[str] = field(default_factory=list)  # the audit checks that produced the evidence
     # Every cause considered for the headline, most costly first: {cause, found_at, side,
     # cost_accept_length (None: not measured), within_tolerance (measured, and inside the
-    # accept-length tolerance: costs nothing measurable), how}. The headline is its first entry.
+    # accept-length tolerance: costs nothing measurable), method (undone | emulated |
+    # serving_gap | training_shortfall | not_measured), how}. The headline is its first entry.
     ranked: list[dict] = field(default_factory=list)
 
     @property
@@ -374,11 +375,16 @@ def _own_cost_entry(finding: Finding, acceptance) -> dict:
     cost = finding.measured["cost_accept_length"]
     engine = finding.measured.get("undone_in")
     whose = f"{engine}'s" if engine else "the serving engine's"
-    how = f"measured by undoing it alone ({finding.measured['undone']}): {whose} predicted accept length recovers {cost:+.3f}"
+    if finding.measured.get("cost_method") == "emulated":
+        how = f"measured alone ({finding.measured['undone']}): {whose} predicted accept length moves {-cost:+.3f}"
+    else:
+        how = (f"measured by undoing it alone ({finding.measured['undone']}): {whose} predicted accept length "
+               f"recovers {cost:+.3f}")
     negligible = acceptance is not None and abs(cost) <= acceptance.tolerance
     if negligible:
         how += f": costs nothing measurable (within ±{acceptance.tolerance})"
-    return {"cost_accept_length": cost, "how": how, "within_tolerance": negligible}
+    return {"cost_accept_length": cost, "how": how, "within_tolerance": negligible,
+            "method": "emulated" if finding.measured.get("cost_method") == "emulated" else "undone"}
 
 
 def _accounting_cause(shortfall: Finding, findings: list[Finding]) -> Finding | None:
@@ -419,7 +425,8 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
                  and isinstance(f.measured.get("cost_accept_length"), float)}
     if serving is not None:
         entry = {"cause": serving.cause, "found_at": serving.found_at, "side": "serving",
-                 "cost_accept_length": None, "how": "not measured: no chain was drafted (--chain-steps 0)"}
+                 "cost_accept_length": None, "how": "not measured: no chain was drafted (--chain-steps 0)",
+                 "method": "not_measured"}
         own = next((own_costs[c] for c in CAUSES[serving.cause].findings if c in own_costs), None) \
             if serving.cause in CAUSES else None
         if own is not None:
@@ -427,6 +434,7 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
         elif acceptance is not None:
             gap = acceptance.reference.mean_accept_length - acceptance.candidate.mean_accept_length
             entry["cost_accept_length"] = gap
+            entry["method"] = "serving_gap"
             entry["how"] = (f"{acceptance.reference.engine} vs {acceptance.candidate.engine} predicted accept length on "
                             f"the same {acceptance.reference.scored_rows} rows")
             entry["within_tolerance"] = abs(gap) <= acceptance.tolerance
@@ -438,14 +446,15 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
                "to remove it") if precision.cause == "embedding_precision" else (
                "not measured on its own: the engines' gap is one figure for every serving cause")
         candidates.append((precision, {"cause": precision.cause, "found_at": precision.found_at, "side": "serving",
-                                       "cost_accept_length": None, "how": how}))
+                                       "cost_accept_length": None, "how": how, "method": "not_measured"}))
     demoted: list[dict] = []
     if shortfall:
         found = shortfall[0]
         short = diagnose(Comparison([]), [found])
         entry = {"cause": short.cause, "found_at": f"audit:{found.check}", "side": "training",
                  "cost_accept_length": found.measured.get("cost_accept_length"),
-                 "how": "training's accept length (1 + sum of held-out full_acc_j) vs the reference engine's prediction"}
+                 "how": "training's accept length (1 + sum of held-out full_acc_j) vs the reference engine's prediction",
+                 "method": "training_shortfall"}
         candidates.append((short, entry))
         specific = _accounting_cause(found, serving_findings)
         if specific is not None:
@@ -483,12 +492,14 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
     head.ranked = [entry for _, entry in ordered]
     # Every other error the audit found is listed too, and says plainly that it was not costed.
     named = {e["cause"] for e in head.ranked}
+    named |= {c for cause in list(named) if cause in CAUSES for c in CAUSES[cause].findings}
     for f in serving_findings:
         if f.severity is Severity.ERROR and f.cause not in named:
             named.add(f.cause)
             head.ranked.append({"cause": f.cause, "found_at": f"audit:{f.check}", "side": "serving",
                                 "cost_accept_length": None,
                                 "how": "not measured on its own: the engines' gap is one figure for every serving "
-                                       "cause, and switching this one off alone is not simulated"})
+                                       "cause, and switching this one off alone is not simulated",
+                                "method": "not_measured"})
     head.also = sorted(set(head.also) | {d.cause for d, _ in ordered[1:]})
     return head

@@ -5,6 +5,7 @@ The report module renders what this returns; nothing here formats text.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Callable
 from dataclasses import dataclass, field, replace
@@ -241,13 +242,13 @@ def run(
         on_step("acceptance: against training's held-out accuracy")
         findings += check_training_shortfall(accept, ref_run.chain, inputs.checkpoint, inputs.states, training_run,
                                              findings, capture_measured=parity is not None)
-    if accept is not None and deployment is None:
+    if accept is not None:
         engines = {"reference": (reference, RunOptions(dtype=dtype, device=device)), "candidate": (candidate, cand_options)}
         measure_repair_costs(findings, inputs, engines, chain_steps, ref_run, chain_states, accept, training_metrics,
-                             training_run, on_step)
+                             training_run, on_step, deployed=deployment is not None)
     if accept is not None and deployment is not None:
         measure_undo_costs(findings, inputs, serving.deployment, candidate, options, chain_steps, ref_run, accept,
-                           training_metrics, on_step)
+                           training_metrics, training_run, on_step)
     # The headline is the cause that costs the most acceptance, serving divergence or training shortfall.
     diagnosis = rank_by_cost(comparison, findings, accept)
     return RunResult(
@@ -258,60 +259,109 @@ def run(
     )
 
 
-def measure_undo_costs(findings: list, inputs: RunInputs, deployment, candidate: EngineAdapter, options: RunOptions,
-                       chain_steps: int, ref_run: EngineRun, accept, training_metrics: dict | None,
-                       on_step: Callable[[str], None]) -> None:
-    """Each launch cause costed on its own: the same deployment with that one flag set back to
-    what training used, its chain drafted again by the serving engine (its own capture under
-    that launch included), and the accept length it recovers recorded on the finding."""
+def _redraft_under(deployment, inputs: RunInputs, candidate: EngineAdapter, options: RunOptions, chain_steps: int,
+                   ref_run: EngineRun, training_metrics: dict | None, on_step: Callable[[str], None], what: str):
+    """The serving engine's chain drafted again under another deployment (its own capture
+    under that launch included), scored against the same reference chain."""
     from difftest.acceptance import compare_acceptance
 
+    alt = replace(options, serving=replace(options.serving, deployment=deployment))
+    plan = candidate.deployment_plan(inputs.checkpoint, inputs.target, alt)
+    alt = replace(alt, dtype=plan.dtype)
+    on_step(f"{candidate.name}: chain again with {what}")
+    chain_states = serving_capture_states(inputs, candidate.capture_plan(inputs.checkpoint, inputs.target, alt),
+                                          candidate, alt, on_step)
+    run_undone = candidate.run(inputs.checkpoint, inputs.target, inputs.states, alt, chain_steps=chain_steps,
+                               chain_states=chain_states)
+    recovered = compare_acceptance(ref_run.chain, run_undone.chain, inputs.states, inputs.target, training_metrics)
+    del run_undone
+    release_memory(False)
+    return recovered
+
+
+def measure_undo_costs(findings: list, inputs: RunInputs, deployment, candidate: EngineAdapter, options: RunOptions,
+                       chain_steps: int, ref_run: EngineRun, accept, training_metrics: dict | None,
+                       training_run: Path | None, on_step: Callable[[str], None]) -> None:
+    """Each deployment cause costed on its own, by the serving engine: a launch cause with that
+    one flag set back to what training used; a served-directory cause on a scratch copy of the
+    served directory with that one defect repaired (difftest/repairs.py). The accept length
+    its chain recovers is recorded on the finding."""
+    from difftest.repairs import REPAIRS, RepairSources, repaired_copy
+
+    served = None
+    measured_repairs: dict[str, dict] = {}
     for finding in findings:
         undo = finding.measured.get("undo") or {}
-        if "flag" not in undo or "cost_accept_length" in finding.measured:
+        if "cost_accept_length" in finding.measured or not ("flag" in undo or "repair" in undo):
             continue
-        undone = deployment.with_flag(undo["flag"], undo["value"])
-        what = f"{undo['flag']} {undo['value']}" if undo["value"] is not None else f"without {undo['flag']}"
-        alt = replace(options, serving=replace(options.serving, deployment=undone))
+        if "repair" in undo and REPAIRS[undo["repair"]].emulates_serving:
+            continue  # the training engine's, measured by measure_repair_costs
+        key = json.dumps(undo, sort_keys=True)
+        if key in measured_repairs:  # the same repair, found by two checks: measured once
+            finding.measured.update(measured_repairs[key])
+            continue
+        repaired = None
+        if "flag" in undo:
+            undone = deployment.with_flag(undo["flag"], undo["value"])
+            what = f"{undo['flag']} {undo['value']}" if undo["value"] is not None else f"without {undo['flag']}"
+        else:
+            served = served or load_checkpoint(deployment.served_dir)
+            if undo["repair"] == "served_config_restored" and \
+                    _served_config_file(deployment, candidate, inputs, options):
+                finding.measured["undo_not_measured"] = ("the launch reads the draft's config from "
+                                                         "--decrypted-draft-config-file, not the served directory")
+                continue
+            sources = RepairSources(inputs.target, training_run, inputs.checkpoint)
+            repaired, what = repaired_copy(served, undo, sources)
+            undone = deployment.with_served_dir(repaired.path, what)
         try:
-            plan = candidate.deployment_plan(inputs.checkpoint, inputs.target, alt)
+            recovered = _redraft_under(undone, inputs, candidate, options, chain_steps, ref_run, training_metrics,
+                                       on_step, f"{what}, to cost {finding.cause} alone")
         except (InputError, ServingRefused) as exc:
-            finding.measured["undo_not_measured"] = f"the launch {what} is refused: {exc}"
+            finding.measured["undo_not_measured"] = f"the deployment with {what} is refused: {exc}"
             continue
-        alt = replace(alt, dtype=plan.dtype)
-        on_step(f"{candidate.name}: chain again with {what}, to cost {finding.cause} alone")
-        chain_states = serving_capture_states(inputs, candidate.capture_plan(inputs.checkpoint, inputs.target, alt),
-                                              candidate, alt, on_step)
-        run_undone = candidate.run(inputs.checkpoint, inputs.target, inputs.states, alt, chain_steps=chain_steps,
-                                   chain_states=chain_states)
-        recovered = compare_acceptance(ref_run.chain, run_undone.chain, inputs.states, inputs.target, training_metrics)
-        finding.measured["cost_accept_length"] = (recovered.candidate.mean_accept_length
-                                                  - accept.candidate.mean_accept_length)
-        finding.measured["undone"] = what
-        del run_undone
-        release_memory(False)
+        result = {"cost_accept_length": recovered.candidate.mean_accept_length - accept.candidate.mean_accept_length,
+                  "undone": what, "undone_in": candidate.name}
+        finding.measured.update(result)
+        measured_repairs[key] = result
+        del repaired
+
+
+def _served_config_file(deployment, candidate: EngineAdapter, inputs: RunInputs, options: RunOptions) -> str | None:
+    plan = candidate.deployment_plan(inputs.checkpoint, inputs.target,
+                                     replace(options, serving=replace(options.serving, deployment=deployment)))
+    return plan.served_config_file
 
 
 def measure_repair_costs(findings: list, inputs: RunInputs, engines: dict[str, tuple[EngineAdapter, RunOptions]],
                          chain_steps: int, ref_run: EngineRun, chain_states: CapturedStates | None, accept,
                          training_metrics: dict | None, training_run: Path | None,
-                         on_step: Callable[[str], None]) -> None:
+                         on_step: Callable[[str], None], deployed: bool = False) -> None:
     """Each checkpoint cause costed on its own: a scratch copy with that one defect repaired
     (difftest/repairs.py), its chain drafted again by the engine the finding names (the
     reference when both engines load the defect alike, so that it carries the whole cost; the
     candidate when only it lost something), and the accept length that engine recovers
-    recorded on the finding."""
+    recorded on the finding. A copy that emulates the serving engine in the training engine
+    costs what training's acceptance loses that way. Under a deployment, the served directory
+    holds what is served: only emulations run here (measure_undo_costs repairs the rest)."""
     from difftest.acceptance import compare_acceptance
-    from difftest.repairs import RepairSources, repaired_copy
+    from difftest.repairs import REPAIRS, RepairNotApplicable, RepairSources, repaired_copy
 
     sources = RepairSources(inputs.target, training_run)
     for finding in findings:
         undo = finding.measured.get("undo") or {}
         if "repair" not in undo or "cost_accept_length" in finding.measured:
             continue
+        repair = REPAIRS[undo["repair"]]
+        if repair.served_only or (deployed and not repair.emulates_serving):
+            continue
         role = undo.get("engine", "reference")
         engine, options = engines[role]
-        repaired, undone = repaired_copy(inputs.checkpoint, undo["repair"], sources)
+        try:
+            repaired, undone = repaired_copy(inputs.checkpoint, undo, sources)
+        except RepairNotApplicable as why:
+            finding.measured["undo_not_measured"] = str(why)
+            continue
         on_step(f"{engine.name}: chain again with {undone}, to cost {finding.cause} alone")
         run_repaired = engine.run(repaired, inputs.target, inputs.states, options, chain_steps=chain_steps,
                                   chain_states=chain_states if role == "candidate" else None)
@@ -323,11 +373,15 @@ def measure_repair_costs(findings: list, inputs: RunInputs, engines: dict[str, t
             recovered = compare_acceptance(run_repaired.chain, ref_run.chain, inputs.states, inputs.target,
                                            training_metrics)
             before, after = accept.reference, recovered.reference
-        finding.measured["cost_accept_length"] = after.mean_accept_length - before.mean_accept_length
+        gained = after.mean_accept_length - before.mean_accept_length
+        finding.measured["cost_accept_length"] = -gained if repair.emulates_serving else gained
         finding.measured["undone"] = undone
         finding.measured["undone_in"] = engine.name
-        # What the training-shortfall audit would read on the repaired copy (step-1 acceptance).
-        finding.measured["repaired_step1"] = after.reach[0] if after.reach else None
+        if repair.emulates_serving:
+            finding.measured["cost_method"] = "emulated"
+        else:
+            # What the training-shortfall audit would read on the repaired copy (step-1 acceptance).
+            finding.measured["repaired_step1"] = after.reach[0] if after.reach else None
         del run_repaired, repaired
         release_memory(False)
 

@@ -55,6 +55,8 @@ class Outcome:
     cost: dict | None = None
     # Causes the fault declares beside its headline that the report did not name.
     unnamed_also: tuple[str, ...] = ()
+    # The headline cause's own cost, as the report gives it: {cost, method} (see diagnosis.Diagnosis.ranked).
+    headline_cost: dict | None = None
 
     @property
     def passed(self) -> bool:
@@ -179,6 +181,8 @@ def run_one(fx: SelftestFixture, states: CapturedStates, dtype_name: str, fault:
         found_at=found_at, found_cause=found_cause,
         seconds=time.perf_counter() - t0, accept_length=accept, cost=cost,
         unnamed_also=tuple(c for c in (fault.also if fault else ()) if diag is None or c not in diag.also),
+        headline_cost={"cost": diag.ranked[0]["cost_accept_length"], "method": diag.ranked[0]["method"]}
+        if diag is not None and diag.ranked else None,
     )
 
 
@@ -234,15 +238,24 @@ def format_cost(cost: dict | None) -> str:
     return f"serving {cost['serving']:+.2f}, reference {cost['reference']:+.2f}"
 
 
+def format_headline_cost(headline: dict | None) -> str:
+    if not headline:
+        return "-"
+    cost = "not measured" if headline["cost"] is None else f"{headline['cost']:+.2f}"
+    return f"{cost} ({headline['method'].replace('_', ' ')})"
+
+
 def render_markdown(score: Score) -> str:
     lines = ["# difftest selftest", "",
              f"Mutation score {score.caught}/{len(score.faults)} ({score.mutation_score:.0%}); "
              f"false alarms {score.false_alarms} on {len(score.outcomes) - len(score.faults)} clean runs.", "",
-             "| fixture | dtype | fault | expected place | found place | diagnosis | cost in accept length | result |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| fixture | dtype | fault | expected place | found place | diagnosis | cost in accept length "
+             "| the headline's own cost (how measured) | result |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for o in score.outcomes:
         lines.append(f"| {o.fixture} | {o.dtype} | {o.fault} | {o.expected_at} | {o.found_at} | {o.found_cause or '-'} | "
-                     f"{format_cost(o.cost)} | {'pass' if o.passed else '**FAIL**'} |")
+                     f"{format_cost(o.cost)} | {format_headline_cost(o.headline_cost)} | "
+                     f"{'pass' if o.passed else '**FAIL**'} |")
     return "\n".join(lines) + "\n"
 
 

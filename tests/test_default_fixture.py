@@ -318,3 +318,46 @@ def test_the_acceptance_first_cases_each_name_their_cause_at_its_place(fx, tmp_p
         # Both engines agree the checkpoint is not what was trained: the shortfall names the tensor.
         changed = next(f for f in result.findings if f.cause == "checkpoint_changed_after_training")
         assert "embed_tokens.weight" in changed.message and diag.ranked[0]["cost_accept_length"] > 0.2
+
+
+@pytest.mark.parametrize("fault", ["served_d2t_arange_subtracted", "served_lm_head_missing", "served_norm_flag_missing"])
+def test_a_served_directory_cause_is_costed_on_a_repaired_copy_of_it(fx, tmp_path, fault):
+    """A defect in the served directory: SGLang drafts its chain again on a scratch copy of that
+    directory with the one defect put back as training had it (the tensor, the token map, the
+    config keys). With nothing else between the engines, that recovers the serving gap; the
+    user's served directory is never written."""
+    from difftest import pipeline
+    from difftest.diagnosis import CAUSES
+    from difftest.faults import FAULTS_BY_NAME, Workspace
+
+    ws = Workspace.copy_of(fx.checkpoint, load_states(fx.states), fx.target, tmp_path, torch.float32)
+    ws.edit_config(lambda c: c.update(norm_before_residual=False))  # the engines' one known difference, off
+    ws.deploy()
+    FAULTS_BY_NAME[fault].inject(ws)
+    before = tree_hash(ws.served)
+    inputs = pipeline.prepare(ws.checkpoint, ws.target, ws.states_file())
+    result = pipeline.run(inputs, dtype=torch.float32, serving=ws.deployment(), chain_steps=3)
+    head = result.diagnosis.ranked[0]
+    assert result.diagnosis.cause == FAULTS_BY_NAME[fault].diagnosis
+    assert result.diagnosis.fix == CAUSES[result.diagnosis.cause].fix
+    assert head["how"].startswith("measured by undoing it alone"), head
+    gap = result.acceptance.reference.mean_accept_length - result.acceptance.candidate.mean_accept_length
+    assert gap > 0.1 and head["cost_accept_length"] == pytest.approx(gap, abs=0.05), (gap, head)
+    assert tree_hash(ws.served) == before
+
+
+def test_a_field_the_server_ignores_is_costed_by_drafting_as_the_server_computes(fx):
+    """SGLang has no norm_before_residual. speculators drafting with the field at the value SGLang
+    behaves as costs that cause alone; as it is the only thing between the engines on this draft,
+    that must reproduce the measured serving gap."""
+    from difftest import pipeline
+
+    inputs = pipeline.prepare(fx.checkpoint, fx.target, fx.states)
+    result = pipeline.run(inputs, dtype=torch.float32, chain_steps=3, audit_config=True)
+    finding = next(f for f in result.findings if f.cause == "norm_before_residual_ignored")
+    assert finding.measured["undo"]["args"]["edits"] == [("norm_before_residual", False)]
+    gap = result.acceptance.reference.mean_accept_length - result.acceptance.candidate.mean_accept_length
+    assert finding.measured["cost_accept_length"] == pytest.approx(gap, abs=0.05)
+    entry = next(e for e in result.diagnosis.ranked if e["cause"] == "norm_before_residual_ignored")
+    assert entry["cost_accept_length"] == finding.measured["cost_accept_length"]
+    assert entry["how"].startswith("measured alone (the training engine run as the serving engine computes it")

@@ -255,12 +255,15 @@ def audit_config(ckpt: Checkpoint, target: TargetWeights, states: CapturedStates
 def _ignored_finding(path, value, rule: FieldRule, base: Checkpoint, base_ref: EngineRun, root: Path, i: int, e: _Engines) -> Finding:
     """Measure what the ignored field does at this checkpoint's value: speculators(actual) vs speculators(neutral)."""
     if rule.neutral is None and path.endswith(("sliding_window", "layer_types", "use_sliding_window")):
-        neutral_cfg = _set(_set(base.config, "transformer_layer_config.layer_types",
-                                ["full_attention"] * base.spec.num_hidden_layers), "transformer_layer_config.sliding_window", None)
+        edits = [("transformer_layer_config.layer_types", ["full_attention"] * base.spec.num_hidden_layers),
+                 ("transformer_layer_config.sliding_window", None)]
     elif rule.neutral is not None or path.endswith("rope_scaling"):
-        neutral_cfg = _set(base.config, path, rule.neutral)
+        edits = [(path, rule.neutral)]
     else:
-        neutral_cfg = None
+        edits = []
+    neutral_cfg = None
+    for edit_path, edit_value in edits:
+        neutral_cfg = _set(neutral_cfg or base.config, edit_path, edit_value)
     measured: dict = {}
     if neutral_cfg is not None and value != rule.neutral:
         run = _run(e.reference, _variant(base, neutral_cfg, root, f"n{i}"), e)
@@ -276,6 +279,10 @@ def _ignored_finding(path, value, rule: FieldRule, base: Checkpoint, base_ref: E
                        f"SGLang ignores {path}={value!r}; benign here: this checkpoint's value is the neutral one", measured)
     if measured and measured.get("logits_rel_max", 0.0) <= EFFECT_THRESHOLD:
         return _not_exercised(path, value, rule, base, e, measured)
+    if measured:
+        # What SGLang computes is speculators' forward at the neutral value: drafting the chain
+        # that way in speculators costs the cause alone (difftest/repairs.py).
+        measured["undo"] = {"repair": "config_as_served", "engine": "reference", "args": {"edits": edits}}
     return Finding(CHECK, rule.cause, Severity.ERROR,
                    f"SGLang ignores {path}={value!r}, which changes speculators' forward" +
                    (f" (vs {rule.neutral!r}: draft-token agreement {measured['draft_token_agreement']:.3f}, "

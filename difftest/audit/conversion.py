@@ -50,6 +50,21 @@ FIELDS: tuple[tuple[str, str, Getter, Getter], ...] = (
 )
 
 
+# The served (legacy) config keys each field is read from: what putting that one field back
+# rewrites, to cost it alone (difftest/repairs.py).
+SERVED_KEYS: dict[str, tuple[str, ...]] = {
+    "rope_theta": ("rope_theta", "rope_parameters", "rope_scaling"),
+    "rope_scaling": ("rope_theta", "rope_parameters", "rope_scaling"),
+    "rms_norm_eps": ("rms_norm_eps",),
+    "norm_before_fc": ("norm_before_fc", "eagle_config"),
+    "fc_norm": ("fc_norm", "use_aux_norm"),
+    "norm_before_residual": ("norm_before_residual",),
+    "hidden_act": ("hidden_act",),
+    "draft_vocab_size": ("draft_vocab_size",),
+    "tie_word_embeddings": ("tie_word_embeddings",),
+}
+
+
 def training_config(ckpt: Checkpoint) -> dict:
     if ckpt.format is CheckpointFormat.SPECULATORS:
         return ckpt.config
@@ -67,5 +82,6 @@ def check_conversion(ckpt: Checkpoint, served: dict) -> tuple[list[dict], list[F
             how = "dropped" if got in (MISSING, None) or (name.startswith(("norm", "fc")) and got is False) else f"is {got!r}"
             findings.append(Finding(CHECK, cause, Severity.ERROR,
                                     f"{name}: training used {want!r}, the serving config {how}",
-                                    {"field": name, "training": want, "serving": got}))
+                                    {"field": name, "training": want, "serving": got,
+                                     "undo": {"repair": "served_config_restored", "args": {"keys": list(SERVED_KEYS[name])}}}))
     return rows, findings

@@ -56,14 +56,18 @@ def check_served_tensors(training: Checkpoint, served: Checkpoint, ledger: LoadL
             findings.append(Finding(CHECK_TENSORS, "served_tensor_missing", Severity.INFO if optional else Severity.ERROR,
                                     f"{trained_name} has no served counterpart (expected {served_name})"
                                     + (": the engine shares the target's" if optional else ""),
-                                    {"tensor": trained_name, "expected": served_name}))
+                                    {"tensor": trained_name, "expected": served_name} | ({} if optional else {
+                                        "undo": {"repair": "served_tensor_restored",
+                                                 "args": {"served": served_name, "training": trained_name}}})))
             continue
         status, diff = _compare(training.get(trained_name), served.get(served_name))
         rows.append({"training": trained_name, "served": served_name, "status": status, "into": into})
         if status.startswith("changed"):
             findings.append(Finding(CHECK_TENSORS, "served_tensor_changed", Severity.ERROR,
                                     f"served {served_name} is not the trained {trained_name}: {status}",
-                                    {"tensor": served_name, "max_abs_diff": diff}))
+                                    {"tensor": served_name, "max_abs_diff": diff,
+                                     "undo": {"repair": "served_tensor_restored",
+                                              "args": {"served": served_name, "training": trained_name}}}))
     for extra in sorted(served_names - set(expected)):
         into = ledger.tensors.get(extra, (None, [], ""))[1]
         rows.append({"training": None, "served": extra, "status": "extra", "into": into})

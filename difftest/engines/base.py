@@ -52,6 +52,24 @@ class Deployment:
         return Deployment(self.served_dir, tuple(out), self.base_dir, f"{self.source}, with {flag} "
                           + (value if value is not None else "removed"))
 
+    def with_served_dir(self, served_dir: Path, why: str) -> "Deployment":
+        """The same command serving another directory: every argument that names the served
+        directory (as given, relative to base_dir or absolute) names the new one instead."""
+        old = self.served_dir.resolve()
+
+        def names_served(token: str) -> bool:
+            path = Path(token) if Path(token).is_absolute() else self.base_dir / token
+            return not token.startswith("-") and path.exists() and path.resolve() == old
+
+        def rewrite(token: str) -> str:
+            flag, eq, value = token.partition("=")
+            if token.startswith("--") and eq:
+                return f"{flag}={served_dir}" if names_served(value) else token
+            return str(served_dir) if names_served(token) else token
+
+        argv = tuple(rewrite(t) for t in self.launch_argv)
+        return Deployment(Path(served_dir), argv, self.base_dir, f"{self.source}, serving {why}")
+
 
 @dataclass(frozen=True)
 class LaunchFlag:
