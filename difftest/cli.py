@@ -87,15 +87,18 @@ def parse_dtype(name: str):
 @app.command()
 def report(
     checkpoint: Optional[Path] = typer.Argument(None, help="draft checkpoint dir (default: the embedded SmolLM2 fixture)"),
-    target: Optional[Path] = typer.Option(None, help="HF target model dir (embedding, head, norm)"),
-    states: Optional[Path] = typer.Option(None, help="captured hidden states: a difftest states file, a speculators datagen directory, or SGLang server responses (.json/.jsonl)"),
+    target: Optional[Path] = typer.Option(None, help="HF target model dir (embedding, head, norm); default: the "
+                                          "verifier the checkpoint's config names, else a target/ beside or above it"),
+    states: Optional[Path] = typer.Option(None, help="captured hidden states: a difftest states file, a speculators "
+                                          "datagen directory, or SGLang server responses (.json/.jsonl); default: "
+                                          "states.safetensors in the checkpoint directory or its parent"),
     dtype: str = typer.Option("auto", help="auto (the checkpoint's stored dtype) | fp32 | bf16 | fp16"),
     device: str = typer.Option("cpu", help="cpu | cuda"),
     out: Path = typer.Option(Path("reports"), help="output directory"),
     max_tokens: Optional[int] = typer.Option(None, help="use only the first whole requests up to this many tokens"),
-    serve_without_aux_capture: bool = typer.Option(False, help="serving fault: feed SGLang the target's last state only"),
-    serve_lm_head_from_target: bool = typer.Option(False, help="serving fault: set_embed_and_head with the target's head"),
-    allow_pickle: bool = typer.Option(False, help="accept .bin/.pt weights, loaded with torch.load(weights_only=True)"),
+    serve_without_aux_capture: bool = typer.Option(False, hidden=True, help="test switch (selftest, CI): feed SGLang the target's last state only"),
+    serve_lm_head_from_target: bool = typer.Option(False, hidden=True, help="test switch (selftest, CI): set_embed_and_head with the target's head"),
+    allow_pickle: bool = typer.Option(False, help="accept .bin/.pt weights (loaded by torch.load with weights_only on)"),
     baseline: Optional[Path] = typer.Option(None, help="an earlier report.json: exit 1 only if this run regressed against it"),
     baseline_factor: float = typer.Option(2.0, help="with --baseline: how much a probe's error may grow"),
     audit_config: bool = typer.Option(True, "--audit-config/--no-audit-config",
@@ -415,7 +418,7 @@ def fuzz(
     seed: int = typer.Option(0, help="Hypothesis seed: the same seed explores the same cases"),
     shrink_budget: int = typer.Option(60, help="examples Hypothesis may spend shrinking each distinct divergence"),
     out: Path = typer.Option(Path("reports/fuzz"), help="where fuzz.json goes"),
-    save_regressions: bool = typer.Option(False, help="write each shrunk divergence to fixtures/regressions/"),
+    save_regressions: bool = typer.Option(False, "--save-regressions", help="write each shrunk divergence to fixtures/regressions/"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="print only the summary"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="show engine logs and tracebacks"),
 ) -> None:

@@ -132,6 +132,9 @@ class Fault:
     notice_only: bool = False
     # Other causes the report must name beside the headline (a fault with two parts).
     also: tuple[str, ...] = ()
+    # The fault stands for a draft trained otherwise (its config and states rewritten as if
+    # trained in another order): the training run's metrics do not describe it.
+    rewrites_training: bool = False
 
 
 def _d2t(edit: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Workspace], None]:
@@ -307,7 +310,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault("aux_ids_off_by_one", "aux layer ids off by one between engines (speculators' ids copied verbatim)",
           "audit:capture", "aux_layers_off_by_one", _verbatim_aux_ids),
     Fault("aux_layers_wrong_order", "aux layers concatenated in a different order than trained",
-          "audit:capture", "aux_layers_wrong_order", _trained_in_reverse_order),
+          "audit:capture", "aux_layers_wrong_order", _trained_in_reverse_order, rewrites_training=True),
     Fault("norm_flag_dropped", "the converter drops a norm flag (norm_before_fc)",
           "fc.input", "config_flag_not_carried", _norm_flag_dropped),
     Fault("rope_theta_dropped", "the converter drops rope theta / scaling",

@@ -107,7 +107,9 @@ def resolve_states(ckpt: Checkpoint, states: str | Path | None) -> Path:
         p = ckpt.origin / name
         if p.is_file():
             return p.resolve()
-    raise InputError(f"{ckpt.origin}: no captured hidden states found; pass --states FILE")
+    raise InputError(f"{ckpt.origin}: no captured hidden states found ({' or '.join(DEFAULT_STATES_NAMES)} beside "
+                     "it); pass --states with a difftest states file, a speculators datagen directory or SGLang "
+                     "server responses (.json/.jsonl)")
 
 
 def read_states(path: Path, ckpt: Checkpoint, tgt: TargetWeights, device: str = "cpu") -> tuple[CapturedStates, str]:

@@ -158,7 +158,10 @@ def run_one(fx: SelftestFixture, states: CapturedStates, dtype_name: str, fault:
         if fault is not None:
             fault.inject(ws)
         inputs = pipeline.prepare(ws.checkpoint, ws.target, ws.states_file())
-        extra = dict(training_metrics=fx.training_metrics, training_run=fx.training_run) if after_training else {}
+        # Every run is read against training's own metrics where the fixture has them: a fault must
+        # headline its own cause over the shortfall it causes, and a clean run raise no shortfall.
+        reads_training = fx.training_metrics and not (fault is not None and fault.rewrites_training)
+        extra = dict(training_metrics=fx.training_metrics, training_run=fx.training_run) if reads_training else {}
         result = pipeline.run(inputs, dtype=dtype, serving=ws.deployment() if deployed else ws.serving,
                               measure_noise=False, chain_steps=fx.chain_steps or (4 if after_training else 0),
                               measure_target_capture=deployed, **extra)

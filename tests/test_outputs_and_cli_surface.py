@@ -152,3 +152,42 @@ def test_the_reproduce_command_is_shell_quoted(tiny, tmp_path):
     md = (out / "report.md").read_text()
     command = md.split("## Reproduce", 1)[1].split("```")[1].strip()
     assert str(out) in shlex.split(command), command
+
+
+@pytest.mark.parametrize("command", ["report", "convert", "selftest", "fuzz", "build-fixtures"])
+def test_help_is_readable_at_80_columns_and_report_offers_no_fault_switch(command):
+    """Every option name whole at 80 columns (rich cuts a long one with an ellipsis), and the
+    serving-fault switches the selftest uses are not offered to a user as settings."""
+    proc = subprocess.run([sys.executable, "-m", "difftest.cli", command, "--help"], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "80", "TERM": "dumb"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "…" not in proc.stdout, proc.stdout
+    assert max(len(line) for line in proc.stdout.splitlines()) <= 80
+    if command == "report":
+        assert "--serve-without-aux-capture" not in proc.stdout and "--serve-lm-head-from-target" not in proc.stdout
+        assert "--states" in proc.stdout and "--target" in proc.stdout
+
+
+def test_the_report_shows_what_is_absent_and_says_a_shared_reason_once(tiny_copy, tmp_path):
+    """A legacy draft without lm_head.weight: the tensor table cannot list it (the checkpoint has
+    no such tensor), so the parameters no tensor filled get rows of their own, in report.md and
+    report.html. The config audit cannot measure over SGLang's NaN-poisoned head: one line says
+    why for every field, not one row per field."""
+    from safetensors.torch import load_file, save_file
+
+    legacy = tiny_copy / "legacy"
+    tensors = load_file(str(legacy / "model.safetensors"))
+    tensors.pop("lm_head.weight")
+    save_file(tensors, str(legacy / "model.safetensors"))
+    proc = difftest("report", legacy, "--target", tiny_copy / "target", "--states", tiny_copy / "states.safetensors",
+                    "--chain-steps", "0", "--no-target-capture", "--out", tmp_path / "out", "-q")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| sglang | lm_head.weight | **init** |" in md, md
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert "Parameters no checkpoint tensor filled" in html and "<code>lm_head.weight</code>" in html
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    rows = report["audit"]["config"]
+    assert len({r["verdict"] for r in rows}) == 1
+    assert f"All {len(rows)} fields not measured: sglang's baseline already has non-finite values" in md
+    assert md.count("not measured: sglang's baseline") == 1

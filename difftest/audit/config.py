@@ -177,8 +177,12 @@ def _unmeasurable(run: EngineRun) -> str:
 
 
 def _run(adapter: EngineAdapter, ckpt: Checkpoint, e: _Engines) -> EngineRun | str:
+    from difftest.errors import ServingRefused
+
     try:
         return adapter.run(ckpt, e.target, e.states, e.options)
+    except ServingRefused as exc:  # without the variant's scratch path, which differs on every run
+        return f"{exc.engine} refuses the variant: {exc.reason}"
     except Exception as exc:  # an engine refusing a variant is itself an answer
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
 

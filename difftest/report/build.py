@@ -11,6 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 from difftest.pipeline import RunResult
+from difftest.report.views import absent_params, shared_config_verdict
 
 SCHEMA_VERSION = "1.0"
 SCHEMA_FILE = Path(__file__).with_name("schema.json")
@@ -219,11 +220,16 @@ def render_markdown(report: dict) -> str:
                   for r in audit["conversion"]]
         lines.append("")
     if audit.get("config"):
-        lines += ["## Config fields: does SGLang honor them? (measured)", "",
-                  "| field | value | verdict | speculators effect | sglang effect |", "|---|---|---|---|---|"]
-        for r in audit["config"]:
-            lines.append(f"| {r['field']} | `{r['value']}` | {r['verdict']} | {_fmt(r.get('speculators_effect', ''))} | {_fmt(r.get('sglang_effect', ''))} |")
-        lines.append("")
+        lines += ["## Config fields: does SGLang honor them? (measured)", ""]
+        shared = shared_config_verdict(audit["config"])
+        if shared:
+            # One shared reason: said once, not once per field.
+            lines += [f"All {len(audit['config'])} fields {shared}.", ""]
+        else:
+            lines += ["| field | value | verdict | speculators effect | sglang effect |", "|---|---|---|---|---|"]
+            for r in audit["config"]:
+                lines.append(f"| {r['field']} | `{r['value']}` | {r['verdict']} | {_fmt(r.get('speculators_effect', ''))} | {_fmt(r.get('sglang_effect', ''))} |")
+            lines.append("")
     if audit.get("ledgers"):
         lines += ["## Load ledger (checkpoint tensor -> fate per engine)", "", "| tensor | speculators | sglang |", "|---|---|---|"]
         ref_t, cand_t = audit["ledgers"]["reference"]["tensors"], audit["ledgers"]["candidate"]["tensors"]
@@ -231,6 +237,12 @@ def render_markdown(report: dict) -> str:
             cell = lambda t: (f"{t['fate']} -> {', '.join(t['into'])}" if t.get("into") else t["fate"]) if t else "-"
             lines.append(f"| {name} | {cell(ref_t.get(name))} | {cell(cand_t.get(name))} |")
         lines.append("")
+        absent = absent_params(report)
+        if absent:
+            lines += ["Parameters no checkpoint tensor filled:", "", "| engine | parameter | fate | why |", "|---|---|---|---|"]
+            lines += [f"| {a.engine} | {a.param} | {a.fate if a.fate == 'shared' else '**' + a.fate + '**'} | {a.why} |"
+                      for a in absent]
+            lines.append("")
     cand = report["engines"]["candidate"]["details"]
     if cand.get("conversion_notes"):
         lines += ["## Config conversion", ""] + [f"- `{k}`: {v}" for k, v in cand["conversion_notes"].items()] + [""]

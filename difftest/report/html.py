@@ -10,6 +10,7 @@ import json
 import shlex
 
 from difftest.probes import PROBES, ProbeKind
+from difftest.report.views import absent_params, shared_config_verdict
 
 # An exact zero has no place on a log axis; draw it at the bottom edge and say so.
 LOG_FLOOR = 1e-12
@@ -258,10 +259,12 @@ def render_html(report: dict) -> str:
             [[_e(r["field"]), f"<code>{_e(r['training'])}</code>", f"<code>{_e(r['serving'])}</code>",
               "yes" if r["carried"] else "<b>no</b>"] for r in audit["conversion"]]))
     if audit.get("config"):
-        parts.append("<h2>Config fields: does SGLang honor them? (measured)</h2>" + _table(
-            ["field", "value", "verdict", "speculators effect", "sglang effect"],
-            [[_e(r["field"]), f"<code>{_e(r['value'])}</code>", _e(r["verdict"]), _fmt(r.get("speculators_effect", "")),
-              _fmt(r.get("sglang_effect", ""))] for r in audit["config"]]))
+        shared = shared_config_verdict(audit["config"])
+        parts.append("<h2>Config fields: does SGLang honor them? (measured)</h2>" + (
+            f"<p>All {len(audit['config'])} fields {_e(shared)}.</p>" if shared else _table(
+                ["field", "value", "verdict", "speculators effect", "sglang effect"],
+                [[_e(r["field"]), f"<code>{_e(r['value'])}</code>", _e(r["verdict"]),
+                  _fmt(r.get("speculators_effect", "")), _fmt(r.get("sglang_effect", ""))] for r in audit["config"]])))
     ledgers = audit.get("ledgers")
     if ledgers:
         ref_t, cand_t = ledgers["reference"]["tensors"], ledgers["candidate"]["tensors"]
@@ -273,6 +276,12 @@ def render_html(report: dict) -> str:
             ["checkpoint tensor", "speculators", "sglang"],
             [[f"<code>{_e(n)}</code>", cell(ref_t.get(n)), cell(cand_t.get(n))] for n in sorted(set(ref_t) | set(cand_t))],
             cell_classes=lambda i, j, c: "error" if j and "dropped" in c else ""))
+        absent = absent_params(report)
+        if absent:
+            parts.append("<p>Parameters no checkpoint tensor filled:</p>" + _table(
+                ["engine", "parameter", "fate", "why"],
+                [[_e(a.engine), f"<code>{_e(a.param)}</code>", _e(a.fate), _e(a.why)] for a in absent],
+                cell_classes=lambda i, j, c: "error" if j == 2 and absent[i].fate != "shared" else ""))
     if report.get("baseline"):
         b = report["baseline"]
         parts.append(f"<h2>Baseline</h2><p>Against <code>{_e(b['path'])}</code> (factor {b['factor']}): "

@@ -324,6 +324,9 @@ class SGLangAdapter:
             model, ledger, details = self._build_deployed(
                 target, replace(options, serving=replace(options.serving, deployment=deployment)))
         details["conversion_notes"] = conversion_notes
+        # transformers records where it read the config: a scratch directory gone after this
+        # call, and another one on every run. Name what it was instead.
+        details["served_config"] = {**details["served_config"], "_name_or_path": "difftest convert's copy (scratch)"}
         details.pop("deployment", None)  # nothing was deployed by the user: the report has no deployment section
         return model, ledger, details
 
