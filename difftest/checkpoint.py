@@ -107,6 +107,10 @@ def rope_acts_beyond(config: dict) -> int | None:
     return int(scaling.get("original_max_position_embeddings") or layer.get("max_position_embeddings") or 0) or None
 
 
+def _unless_none(value, default):
+    return default if value is None else value
+
+
 def spec_from_config(config: dict[str, Any], fmt: CheckpointFormat) -> DraftSpec:
     try:
         if fmt is CheckpointFormat.SPECULATORS:
@@ -124,8 +128,10 @@ def spec_from_config(config: dict[str, Any], fmt: CheckpointFormat) -> DraftSpec
         return DraftSpec(
             hidden_size=hidden,
             num_attention_heads=heads,
-            num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
-            head_dim=int(layer.get("head_dim") or hidden // heads),
+            # As transformers' LlamaConfig reads them: only an absent (None) value takes the
+            # default, so a 0 reaches validation instead of becoming the default here.
+            num_key_value_heads=int(_unless_none(layer.get("num_key_value_heads"), heads)),
+            head_dim=int(_unless_none(layer.get("head_dim"), hidden // heads if heads else 0)),
             intermediate_size=int(layer["intermediate_size"]),
             num_hidden_layers=int(layer.get("num_hidden_layers", 1)),
             rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),

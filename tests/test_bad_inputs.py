@@ -102,7 +102,13 @@ CORPUS = {
     # JSON's Infinity parses to a float that int() cannot take (found by the config fuzz below).
     "config_field_infinite": (lambda d, t: _config(d, lambda c: _layer(c).__setitem__("head_dim", float("inf"))), "malformed field"),
     "zero_heads_no_head_dim": (lambda d, t: _config(d, lambda c: (_layer(c).pop("head_dim", None),
-                                                                   _layer(c).update(num_attention_heads=0))), "malformed field"),
+                                                                   _layer(c).update(num_attention_heads=0))),
+                               "num_attention_heads is 0, expected a positive integer"),
+    # transformers keeps a 0 it is given (only None takes the default), and then divides by it
+    # (found by the config-size fuzz below).
+    "zero_head_dim": (lambda d, t: _config(d, lambda c: _layer(c).update(head_dim=0)), "head_dim is 0, expected a positive"),
+    "zero_kv_heads": (lambda d, t: _config(d, lambda c: _layer(c).update(num_key_value_heads=0)),
+                      "num_key_value_heads is 0, expected a positive"),
     "heads_vs_kv_heads": (lambda d, t: _config(d, lambda c: _layer(c).update(num_key_value_heads=3)), "not a multiple of"),
     "heads_vs_weights": (lambda d, t: _config(d, lambda c: _layer(c).update(num_attention_heads=8, num_key_value_heads=8)),
                          "q_proj.weight has shape"),
