@@ -429,7 +429,10 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
                  "method": "not_measured"}
         own = next((own_costs[c] for c in CAUSES[serving.cause].findings if c in own_costs), None) \
             if serving.cause in CAUSES else None
-        if own is not None:
+        if acceptance is not None and not acceptance.reference.scored_rows:
+            entry["how"] = ("not measured: no row could be scored (no response row whose recorded continuation is "
+                            "the target's greedy one)")
+        elif own is not None:
             entry.update(_own_cost_entry(own, acceptance))
         elif acceptance is not None:
             gap = acceptance.reference.mean_accept_length - acceptance.candidate.mean_accept_length
@@ -445,8 +448,13 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
         how = ("rounding only: not separable from the serving gap; compare at the checkpoint's dtype (--dtype auto) "
                "to remove it") if precision.cause == "embedding_precision" else (
                "not measured on its own: the engines' gap is one figure for every serving cause")
-        candidates.append((precision, {"cause": precision.cause, "found_at": precision.found_at, "side": "serving",
-                                       "cost_accept_length": None, "how": how, "method": "not_measured"}))
+        entry = {"cause": precision.cause, "found_at": precision.found_at, "side": "serving",
+                 "cost_accept_length": None, "how": how, "method": "not_measured"}
+        own = next((own_costs[c] for c in CAUSES[precision.cause].findings if c in own_costs), None) \
+            if precision.cause in CAUSES else None
+        if own is not None:  # measured alone after all (an undo, or the serving engine emulated)
+            entry.update(_own_cost_entry(own, acceptance))
+        candidates.append((precision, entry))
     demoted: list[dict] = []
     if shortfall:
         found = shortfall[0]

@@ -106,7 +106,12 @@ def test_a_weight_edited_after_training_is_the_headline_not_the_free_divergence(
     changed = next(e for e in finding["measured"]["explanations"] if e["cause"] == "checkpoint_changed_after_training")
     assert changed["supported"] and changed["numbers"]["changed"] == ["fc.weight"]
     line = proc.stdout.splitlines()[0]
-    assert line.startswith("DIVERGED: checkpoint_changed_after_training (found at audit:acceptance), costs +")
+    # What the user came for first: each engine's predicted accept length and training's.
+    assert line.startswith("DIVERGED: accept length sglang ")
+    from difftest.audit.shortfall import expected_accept_length
+
+    training, _ = expected_accept_length(json.loads(fx.training.read_text()), rep["acceptance"]["reference"]["steps"])
+    assert f", training {training:.2f}; checkpoint_changed_after_training (found at audit:acceptance), costs +" in line
     assert "first divergence at layer0.post_attn_residual (norm_before_residual_ignored), costs nothing measurable" in line
 
 

@@ -92,3 +92,17 @@ def test_baseline_mode_exit_codes(tiny, tmp_path):
     assert rep["baseline"]["regressions"]
     bad = difftest("report", tiny / "speculators", "--out", tmp_path / "c", "--baseline", tmp_path / "nope.json")
     assert bad.returncode == 2 and "baseline report not found" in bad.stderr
+
+
+def test_the_banner_weight_follows_the_cost(reports, tmp_path):
+    """A headline that costs nothing measurable is drawn as a difference to read (amber), not a
+    collapse (red); the verdict word, and so the exit code's meaning, stays DIVERGED."""
+    from difftest.report.html import render_html
+
+    rep = json.loads(json.dumps(reports["fault"][0]))
+    assert "class='banner DIVERGED'" in render_html(rep)
+    rep["diagnosis"]["ranked"][0].update(cost_accept_length=0.01, within_tolerance=True)
+    html_file = tmp_path / "free.html"
+    html_file.write_text(render_html(rep))
+    assert "class='banner DIVERGED free'" in html_file.read_text()
+    assert screenshot(html_file, tmp_path / "free.png", tmp_path).getpixel((600, 8)) == (0x8A, 0x6D, 0x00)

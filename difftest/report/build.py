@@ -39,8 +39,9 @@ def verdict_line(report: dict) -> str:
     each other cause at its own place with its cost (a probe is never paired with a cause
     found elsewhere)."""
     diag = report.get("diagnosis")
+    lead = acceptance_lead(report)
     if not diag:
-        return report["verdict"]
+        return f"{report['verdict']}: {lead.rstrip('; ')}" if lead else report["verdict"]
     first = report.get("first_divergence")
     ranked = diag.get("ranked") or [{"cause": diag["cause"], "found_at": diag.get("found_at"), "side": "serving",
                                      "cost_accept_length": None}]
@@ -66,8 +67,26 @@ def verdict_line(report: dict) -> str:
         return f", costs {c:+.2f} accept length"
 
     head, rest = ranked[0], ranked[1:]
-    return (f"{report['verdict']}: {where(head)}{cost(head)}"
+    return (f"{report['verdict']}: {lead}{where(head)}{cost(head)}"
             + "".join(f"; also {where(e)}{cost(e)}" for e in rest))
+
+
+def acceptance_lead(report: dict) -> str:
+    """What the user came for, before any probe name: each engine's predicted accept length, and
+    training's, when chains were drafted and rows scored ('' otherwise)."""
+    from difftest.audit.shortfall import expected_accept_length
+
+    acc = report.get("acceptance")
+    if not acc or not acc["reference"]["scored_rows"]:
+        return ""
+    ref, cand = acc["reference"], acc["candidate"]
+    lead = (f"accept length {cand['engine']} {cand['mean_accept_length']:.2f}, "
+            f"{ref['engine']} {ref['mean_accept_length']:.2f}")
+    if acc.get("training"):
+        expected, known = expected_accept_length(acc["training"], ref["steps"])
+        if known:
+            lead += f", training {expected:.2f}"
+    return lead + "; "
 
 
 def build_report(result: RunResult, command: list[str] | None = None, extra: dict | None = None) -> dict:

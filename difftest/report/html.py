@@ -20,6 +20,7 @@ body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:0;color:#1b1
 main{max-width:1100px;margin:0 auto;padding:0 24px 48px}
 .banner{padding:18px 24px;color:#fff;font-size:28px;font-weight:700}
 .banner.PARITY{background:#1f7a3a}.banner.DIVERGED{background:#b3261e}
+.banner.DIVERGED.free{background:#8a6d00}
 .banner small{display:block;font-size:15px;font-weight:400;opacity:.95;margin-top:4px}
 h2{margin-top:32px;border-bottom:1px solid #d0d7de;padding-bottom:4px}
 .diag{background:#fff4e5;border-left:6px solid #d9822b;padding:12px 16px;margin-top:20px}
@@ -170,14 +171,19 @@ def render_html(report: dict) -> str:
     first = report.get("first_divergence")
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>difftest: {_e(verdict)}</title>"
              f"<style>{CSS}</style></head><body>"]
-    sub = ""
-    if diag:
-        from difftest.report.build import verdict_line
+    from difftest.report.build import acceptance_lead, verdict_line
 
+    weight = ""
+    if diag:
         sub = verdict_line(report).split(": ", 1)[-1]
+        # The banner's weight follows the cost: a headline that costs nothing measurable is a
+        # difference to read, not a collapse.
+        if (diag.get("ranked") or [{}])[0].get("within_tolerance"):
+            weight = " free"
     else:
-        sub = f"every probe agrees within the {report['tolerance']['dtype']} tolerance; no audit errors"
-    parts.append(f"<div class='banner {_e(verdict)}' id='verdict'>{_e(verdict)}<small>{_e(sub)}</small></div><main>")
+        sub = (acceptance_lead(report) + f"every probe agrees within the {report['tolerance']['dtype']} tolerance; "
+               "no audit errors")
+    parts.append(f"<div class='banner {_e(verdict)}{weight}' id='verdict'>{_e(verdict)}<small>{_e(sub)}</small></div><main>")
     if diag:
         parts.append(f"<div class='diag'><b>Root cause: <code>{_e(diag['cause'])}</code></b><p>{_e(diag['explanation'])}</p>")
         if diag.get("evidence"):
