@@ -463,6 +463,13 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
                  "cost_accept_length": found.measured.get("cost_accept_length"),
                  "how": "training's accept length (1 + sum of held-out full_acc_j) vs the reference engine's prediction",
                  "method": "training_shortfall"}
+        recovered = found.measured.get("recovered_accept_length")
+        if recovered is not None:
+            # The change since training, undone alone: that is the cause's own cost.
+            entry.update(cost_accept_length=recovered, method="undone",
+                         how=(f"measured by undoing it alone ({found.measured['undone']}): "
+                              f"{found.measured['undone_in']}'s predicted accept length recovers {recovered:+.3f}; "
+                              f"training's is {found.measured['cost_accept_length']:+.3f} above the prediction"))
         candidates.append((short, entry))
         specific = _accounting_cause(found, serving_findings)
         if specific is not None:

@@ -347,12 +347,13 @@ def measure_repair_costs(findings: list, inputs: RunInputs, engines: dict[str, t
     costs what training's acceptance loses that way. Under a deployment, the served directory
     holds what is served: only emulations run here (measure_undo_costs repairs the rest)."""
     from difftest.acceptance import compare_acceptance
+    from difftest.audit.shortfall import CHECK as SHORTFALL_CHECK
     from difftest.repairs import REPAIRS, RepairNotApplicable, RepairSources, repaired_copy
 
     sources = RepairSources(inputs.target, training_run)
     for finding in findings:
         undo = finding.measured.get("undo") or {}
-        if "repair" not in undo or "cost_accept_length" in finding.measured:
+        if "repair" not in undo or "undone" in finding.measured:
             continue
         repair = REPAIRS[undo["repair"]]
         if repair.served_only or (deployed and not repair.emulates_serving):
@@ -376,7 +377,10 @@ def measure_repair_costs(findings: list, inputs: RunInputs, engines: dict[str, t
                                            training_metrics)
             before, after = accept.reference, recovered.reference
         gained = after.mean_accept_length - before.mean_accept_length
-        finding.measured["cost_accept_length"] = -gained if repair.emulates_serving else gained
+        # A training shortfall keeps its own cost (training against the prediction); what the
+        # undo recovers is recorded beside it.
+        key = "recovered_accept_length" if finding.check == SHORTFALL_CHECK else "cost_accept_length"
+        finding.measured[key] = -gained if repair.emulates_serving else gained
         finding.measured["undone"] = undone
         finding.measured["undone_in"] = engine.name
         if repair.emulates_serving:

@@ -131,12 +131,23 @@ def _config_as_served(ckpt: Checkpoint, _sources: RepairSources, args: dict) -> 
     return Repaired({}, f"the training engine run as the serving engine computes it ({said})", config)
 
 
+def _restored_from_training_run(ckpt: Checkpoint, sources: RepairSources, args: dict) -> Repaired:
+    """The tensors changed since training put back as the training run saved them, each at the
+    dtype the checkpoint stores it in."""
+    from difftest.audit.shortfall import final_training_checkpoint
+
+    trained = load_checkpoint(final_training_checkpoint(sources.training_run))
+    tensors = {name: trained.get(trained_name).to(ckpt.get(name).dtype) for name, trained_name in args["tensors"]}
+    return Repaired(tensors, f"{', '.join(tensors)} put back from the training run")
+
+
 REPAIRS: dict[str, Repair] = {r.name: r for r in (
     Repair("d2t_from_t2d", _d2t_from_t2d),
     Repair("lm_head_restored", _lm_head_restored),
     Repair("served_tensor_restored", _served_tensor_restored, served_only=True),
     Repair("served_config_restored", _served_config_restored, served_only=True),
     Repair("config_as_served", _config_as_served, emulates_serving=True),
+    Repair("restored_from_training_run", _restored_from_training_run),
 )}
 
 

@@ -361,3 +361,25 @@ def test_a_field_the_server_ignores_is_costed_by_drafting_as_the_server_computes
     entry = next(e for e in result.diagnosis.ranked if e["cause"] == "norm_before_residual_ignored")
     assert entry["cost_accept_length"] == finding.measured["cost_accept_length"]
     assert entry["how"].startswith("measured alone (the training engine run as the serving engine computes it")
+
+
+@pytest.mark.parametrize("fault", ["head_rows_shuffled_after_training", "fc_edited_after_training",
+                                   "vocab_map_regenerated_after_training"])
+def test_a_change_made_after_training_is_costed_by_putting_the_trained_tensors_back(fx, tmp_path, fault):
+    """Both engines load the changed checkpoint alike; the training run's own saved checkpoint
+    names what changed. Drafting again on a copy with exactly those tensors put back costs the
+    change alone, and that is the headline's cost (training's gap is kept beside it)."""
+    from difftest import pipeline
+    from difftest.faults import FAULTS_BY_NAME, Workspace
+
+    ws = Workspace.copy_of(fx.checkpoint, load_states(fx.states), fx.target, tmp_path, torch.float32)
+    FAULTS_BY_NAME[fault].inject(ws)
+    inputs = pipeline.prepare(ws.checkpoint, ws.target, ws.states_file())
+    result = pipeline.run(inputs, dtype=torch.float32, chain_steps=3, training_metrics=json.loads(fx.training.read_text()),
+                          training_run=fx.training_run)
+    head = result.diagnosis.ranked[0]
+    assert head["cause"] == FAULTS_BY_NAME[fault].diagnosis and head["method"] == "undone", head
+    shortfall = next(f for f in result.findings if f.check == "acceptance")
+    restored = [name for name, _ in shortfall.measured["undo"]["args"]["tensors"]]
+    assert head["how"].startswith(f"measured by undoing it alone ({', '.join(restored)} put back from the training run)")
+    assert head["cost_accept_length"] == shortfall.measured["recovered_accept_length"] > 0.2

@@ -65,13 +65,15 @@ def final_training_checkpoint(run_dir: Path) -> Path:
     return max((d for d in found if not d.is_symlink()), key=lambda d: (epoch_of(d), d.stat().st_mtime))
 
 
-def _changed_tensors(checkpoint, run_dir: Path) -> tuple[list[str], int]:
+def _changed_tensors(checkpoint, run_dir: Path) -> tuple[list[str], int, list[list[str]]]:
+    """What differs from the run's saved checkpoint, how many tensors were compared, and the
+    changed ones that can be put back as trained ([checkpoint name, training-run name])."""
     from difftest.checkpoint import load_checkpoint
     from difftest.convert import speculators_name
 
     trained = load_checkpoint(final_training_checkpoint(run_dir))
     trained_names = {speculators_name(n): n for n in trained.tensor_names()}
-    changed, compared = [], 0
+    changed, compared, restorable = [], 0, []
     for name in checkpoint.tensor_names():
         key = speculators_name(name)
         if key not in trained_names:
@@ -86,9 +88,11 @@ def _changed_tensors(checkpoint, run_dir: Path) -> tuple[list[str], int]:
             narrow = a.dtype if a.element_size() <= b.element_size() else b.dtype
             if not torch.equal(a.to(narrow), b.to(narrow)):
                 changed.append(name)
+                restorable.append([name, trained_names[key]])
         elif not torch.equal(a, b):
             changed.append(name)
-    return changed, compared
+            restorable.append([name, trained_names[key]])
+    return changed, compared, restorable
 
 
 # Capture-audit causes that say the states' chunks are not the layers the draft was trained on,
@@ -117,17 +121,23 @@ def check_training_shortfall(acc, reference_chain, checkpoint, states, training_
                 "training_accept_length": trained_length, "predicted_accept_length": predicted_length,
                 "steps_compared": known, "cost_accept_length": trained_length - predicted_length}
     continuation, rows = acc.continuation, acc.rows
+    changed = _changed_after_training(checkpoint, training_run)
     explanations = [
         # Most specific first: a map out of step is also a changed checkpoint, and says more.
         _states_not_trained_layers(findings, capture_measured),
         _tokens_not_greedy(states, continuation),
         _vocab_map_out_of_step(reference_chain, checkpoint, continuation, rows),
-        _changed_after_training(checkpoint, training_run),
+        changed,
         Explanation("states_differ_from_training_data", None,
                     "not tested: the training data's states were not given, so their per-layer statistics "
                     "cannot be set against these", {}),
     ]
     measured["explanations"] = [e.as_dict() for e in explanations]
+    restorable = changed.numbers.get("restorable") if changed.supported else None
+    if restorable:
+        # Whatever the most specific explanation, putting the changed tensors back as the run
+        # saved them undoes the change alone: drafting again on that copy costs it.
+        measured["undo"] = {"repair": "restored_from_training_run", "args": {"tensors": restorable}}
     supported = [e for e in explanations if e.supported]
     cause = supported[0].cause if supported else "acceptance_below_training"
     why = (f"; the numbers support: {supported[0].evidence}" if supported else
@@ -168,12 +178,13 @@ def _changed_after_training(checkpoint, training_run: Path | None) -> Explanatio
     if training_run is None:
         return Explanation("checkpoint_changed_after_training", None,
                            "not tested: no training run given (--training-run DIR, speculators' output directory)", {})
-    changed, compared = _changed_tensors(checkpoint, Path(training_run))
+    changed, compared, restorable = _changed_tensors(checkpoint, Path(training_run))
     return Explanation("checkpoint_changed_after_training", bool(changed),
                        (f"{len(changed)} of the checkpoint's tensors differ from the training run's saved checkpoint: "
                         + ", ".join(changed[:6]) + (" ..." if len(changed) > 6 else "")) if changed else
                        f"all {compared} tensors equal the training run's saved checkpoint",
-                       {"changed": changed, "compared": compared, "training_run": str(training_run)})
+                       {"changed": changed, "compared": compared, "training_run": str(training_run),
+                        "restorable": restorable})
 
 
 def _vocab_map_out_of_step(chain, checkpoint, continuation, rows: torch.Tensor) -> Explanation:
