@@ -292,6 +292,64 @@ NOT_REMOVABLE_BY_CONVERSION = {
 
 
 @app.command()
+def capture(
+    checkpoint: Path = typer.Argument(..., help="the draft checkpoint whose aux layers are captured; never written to"),
+    prompts: Path = typer.Option(..., help="JSON or JSONL: records with input_ids (and loss_mask), or chats with "
+                                 "messages, rendered with the target's chat template"),
+    out: Path = typer.Option(..., help="the states file to write (difftest's layout, what report --states reads)"),
+    target: Optional[Path] = typer.Option(None, help="HF target model dir (default: as `difftest report` finds it)"),
+    dtype: str = typer.Option("fp32", help="fp32 | bf16 | fp16: the target forward's precision"),
+    device: str = typer.Option("cpu", help="cpu | cuda"),
+    force: bool = typer.Option(False, "--force", help="replace an existing OUT file"),
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="show engine logs and tracebacks"),
+) -> None:
+    """Capture the target's hidden states at the draft's aux layers, as its server hands them to the draft."""
+    quiet_engines(verbose)
+    import tempfile
+    import time
+
+    from difftest.capture import capture as capture_states, read_prompts
+    from difftest.checkpoint import load_checkpoint
+    from difftest.engines.base import RunOptions
+    from difftest.pipeline import candidate_adapter, resolve_target_path
+    from difftest.states import save_states
+    from difftest.target import load_target
+    from difftest.validate import validate_checkpoint
+
+    with one_line_errors(verbose):
+        torch_dtype = parse_dtype(dtype) if dtype != "auto" else None
+        if torch_dtype is None:
+            fail("--dtype must be fp32, bf16 or fp16 for a capture")
+        if device.split(":")[0] not in ("cpu", "cuda"):
+            fail(f"--device must be cpu or cuda, got {device!r}")
+        ckpt = load_checkpoint(checkpoint)
+        validate_checkpoint(ckpt)
+        tgt = load_target(resolve_target_path(ckpt, target))
+        out = out.resolve()
+        for given in (ckpt.origin, tgt.path):
+            if out.is_relative_to(Path(given).resolve()):
+                fail(f"--out {out} is inside an input ({given}); inputs are never written to")
+        if out.exists() and not force:
+            fail(f"--out {out} exists; pass --force to replace it")
+        if not out.parent.is_dir():
+            fail(f"--out {out}: its directory does not exist")
+        rows = read_prompts(prompts, tgt.path, tgt.vocab_size, int(tgt.config.get("max_position_embeddings", 2048)))
+        t0 = time.perf_counter()
+        engine = candidate_adapter()
+        states = capture_states(ckpt, tgt, rows, engine, RunOptions(dtype=torch_dtype, device=device))
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            save_states(states, tmp)
+            os.replace(tmp, out)  # a failed write leaves no file that could pass for the states
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    typer.echo(f"wrote {out}: {len(rows)} requests, {states.num_tokens} rows, hidden_states{list(states.aux_layer_ids)} "
+               f"from {engine.name}'s target forward, in {time.perf_counter() - t0:.1f}s")
+
+
+@app.command()
 def convert(
     checkpoint: Path = typer.Argument(..., help="the training checkpoint (speculators or legacy format); never written to"),
     out: Path = typer.Argument(..., help="the served directory to write (must not exist or be empty, unless --force)"),

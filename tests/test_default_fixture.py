@@ -383,3 +383,52 @@ def test_a_change_made_after_training_is_costed_by_putting_the_trained_tensors_b
     restored = [name for name, _ in shortfall.measured["undo"]["args"]["tensors"]]
     assert head["how"].startswith(f"measured by undoing it alone ({', '.join(restored)} put back from the training run)")
     assert head["cost_accept_length"] == shortfall.measured["recovered_accept_length"] > 0.2
+
+
+def test_capture_reproduces_the_fixture_states_for_its_held_out_conversations(fx, tmp_path):
+    """`difftest capture` on the held-out conversations the fixture's states were captured from
+    (through transformers, at the layers speculators resolves): SGLang's own target forward
+    gives the same tokens, masks and first tokens, and the aux states within fp32 tolerance."""
+    from difftest.compare import activation_metrics
+    from difftest.fixturegen.smollm2 import Paths, heldout_conversations
+    from difftest.tolerances import tolerance_for
+
+    shipped = load_states(fx.states)
+    held = heldout_conversations(Paths(fx.checkpoint.parents[1]))[:len(shipped.seq_lens)]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": c["input_ids"], "loss_mask": c["loss_mask"]}) + "\n"
+                               for c in held))
+    out = tmp_path / "captured.safetensors"
+    proc = subprocess.run([sys.executable, "-m", "difftest.cli", "capture", str(fx.checkpoint), "--prompts", str(prompts),
+                           "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = load_states(out)
+    for field in ("input_ids", "seq_lens", "first_token_ids", "loss_mask"):
+        assert torch.equal(getattr(got, field), getattr(shipped, field)), field
+    assert got.aux_layer_ids == shipped.aux_layer_ids
+    tol = tolerance_for(torch.float32)
+    m = activation_metrics(shipped.aux_hidden_states, got.aux_hidden_states)
+    assert m["rel_max"] <= tol.rel_max and m["rel_diff"] <= tol.rel_diff, m
+
+
+def test_capture_renders_a_chat_with_the_targets_template_and_masks_the_reply(fx):
+    """A chat is bounded as speculators' preprocessing bounds it: the reply's tokens, after the
+    render of the turns before it with the generation prompt, carry the loss mask."""
+    from transformers import AutoTokenizer
+
+    from difftest.capture import read_prompts
+    from difftest.target import load_target
+
+    chat = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."}]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "chats.json"
+        path.write_text(json.dumps([{"messages": chat}]))
+        target = load_target(fx.target)
+        (row,) = read_prompts(path, fx.target, target.vocab_size, 8192)
+    tok = AutoTokenizer.from_pretrained(str(fx.target))
+    prompt = tok.apply_chat_template(chat[:1], add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    assert row.input_ids[:len(prompt)] == prompt and len(row.input_ids) > len(prompt)
+    assert row.loss_mask == [0] * len(prompt) + [1] * (len(row.input_ids) - len(prompt))

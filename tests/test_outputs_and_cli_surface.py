@@ -160,7 +160,7 @@ def test_the_reproduce_command_is_shell_quoted(tiny, tmp_path):
     assert str(out) in shlex.split(command), command
 
 
-@pytest.mark.parametrize("command", ["report", "convert", "selftest", "fuzz", "build-fixtures"])
+@pytest.mark.parametrize("command", ["report", "capture", "convert", "selftest", "fuzz", "build-fixtures"])
 def test_help_is_readable_at_80_columns_and_report_offers_no_fault_switch(command):
     """Every option name whole at 80 columns (rich cuts a long one with an ellipsis), and the
     serving-fault switches the selftest uses are not offered to a user as settings."""
