@@ -19,7 +19,7 @@ from difftest.diagnosis import Diagnosis, rank_by_cost
 from difftest.engines.base import EngineAdapter, EngineRun, RunOptions, ServingSetup
 from difftest.errors import InputError, ServingRefused
 from difftest.noise import noise_floor
-from difftest.states import CapturedStates, check_states_fit, first_id_outside, load_states
+from difftest.states import ACCEPTED_LAYOUTS, CapturedStates, check_states_fit, first_id_outside, load_states
 from difftest.target import TargetWeights, load_target
 from difftest.tolerances import Tolerance, tolerance_for
 
@@ -108,8 +108,7 @@ def resolve_states(ckpt: Checkpoint, states: str | Path | None) -> Path:
         if p.is_file():
             return p.resolve()
     raise InputError(f"{ckpt.origin}: no captured hidden states found ({' or '.join(DEFAULT_STATES_NAMES)} beside "
-                     "it); pass --states with a difftest states file, a speculators datagen directory or SGLang "
-                     "server responses (.json/.jsonl)")
+                     f"it); {ACCEPTED_LAYOUTS}, or `difftest capture` writes one")
 
 
 def read_states(path: Path, ckpt: Checkpoint, tgt: TargetWeights, device: str = "cpu") -> tuple[CapturedStates, str]:

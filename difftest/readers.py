@@ -37,7 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from difftest.errors import InputError
-from difftest.states import CapturedStates, first_id_outside, first_nonfinite_row
+from difftest.states import ACCEPTED_LAYOUTS, CapturedStates, first_id_outside, first_nonfinite_row
 
 DATAGEN_FILE = re.compile(r"^hs_(\d+)\.safetensors$")
 
@@ -78,7 +78,7 @@ def _datagen_files(path: Path) -> list[Path]:
     folder = path / "hidden_states" if (path / "hidden_states").is_dir() else path
     found = sorted(((int(m.group(1)), f) for f in folder.iterdir() if (m := DATAGEN_FILE.match(f.name))))
     if not found:
-        raise InputError(f"{path}: no hs_<i>.safetensors files (speculators datagen layout) found")
+        raise InputError(f"{path}: no hs_<i>.safetensors files (speculators datagen layout) found; {ACCEPTED_LAYOUTS}")
     indices = [i for i, _ in found]
     if indices != list(range(len(indices))):
         gaps = sorted(set(range(max(indices) + 1)) - set(indices))[:5]
@@ -209,11 +209,10 @@ def read_sglang_server(path: str | Path, aux_layer_ids, target_hidden: int, max_
                        vocab_size: int | None = None) -> CapturedStates:
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"{path}: server hidden-states file not found")
+        raise InputError(f"{path}: server hidden-states file not found; {ACCEPTED_LAYOUTS}")
     records = _server_records(path)[: max_requests or None]
     if not records or not all(isinstance(r, dict) and "meta_info" in r for r in records):
-        raise InputError(f"{path}: not SGLang server responses (no meta_info per request); --states takes a difftest "
-                         "states file, a speculators datagen directory, or SGLang /generate responses (.json/.jsonl)")
+        raise InputError(f"{path}: not SGLang server responses (no meta_info per request); {ACCEPTED_LAYOUTS}")
     A = len(aux_layer_ids)
     rows = []
     for n, rec in enumerate(records):

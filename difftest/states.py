@@ -100,22 +100,28 @@ def save_states(states: CapturedStates, path: str | Path) -> None:
     save_file(tensors, str(path), metadata=metadata)
 
 
+# What --states accepts, named in every error that could mean the wrong kind of input was given.
+ACCEPTED_LAYOUTS = ("--states takes a difftest states file (.safetensors), a speculators datagen directory "
+                    "(hidden_states/hs_<i>.safetensors), or SGLang /generate responses (.json/.jsonl)")
+
+
 def load_states(path: str | Path) -> CapturedStates:
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"{path}: hidden-states file not found")
+        raise InputError(f"{path}: hidden-states file not found; {ACCEPTED_LAYOUTS}")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
             names = set(f.keys())
             missing = [n for n in REQUIRED if n not in names]
             if missing:
-                raise InputError(f"{path}: hidden-states file lacks {missing}; expected {list(REQUIRED)}")
+                raise InputError(f"{path}: hidden-states file lacks {missing}; expected {list(REQUIRED)} "
+                                 f"({ACCEPTED_LAYOUTS})")
             t = {n: f.get_tensor(n) for n in names}
     except InputError:
         raise
     except Exception as exc:
-        raise InputError(f"{path}: not a readable safetensors file ({exc})") from None
+        raise InputError(f"{path}: not a readable safetensors file ({exc}); {ACCEPTED_LAYOUTS}") from None
     try:
         aux_ids = tuple(json.loads(meta.get("aux_layer_ids", "[]")))
     except json.JSONDecodeError:
