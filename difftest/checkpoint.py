@@ -325,14 +325,18 @@ def _safetensors_copy_of_pickles(path: Path):
     return scratch
 
 
+ACCEPTED_CHECKPOINTS = ("a draft is a directory in speculators' format (config.json with speculators_model_type eagle3, "
+                        f"*.safetensors) or SGLang's legacy layout (config.json with architectures [{LEGACY_ARCHITECTURE}])")
+
+
 def load_checkpoint(path: str | Path, allow_pickle: bool = False, config_file: str | Path | None = None) -> Checkpoint:
     """`config_file`: the config a server reads in place of the directory's own config.json."""
     path = Path(path)
     if not path.is_dir():
-        raise InputError(f"{path}: checkpoint directory not found")
+        raise InputError(f"{path}: checkpoint directory not found; {ACCEPTED_CHECKPOINTS}")
     cfg_file = Path(config_file) if config_file is not None else path / "config.json"
     if not cfg_file.is_file():
-        raise InputError(f"{path}: config.json not found")
+        raise InputError(f"{path}: config.json not found; {ACCEPTED_CHECKPOINTS}")
     try:
         config = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

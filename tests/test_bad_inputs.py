@@ -95,7 +95,7 @@ def _set_row_value(rec, row, value):
 CORPUS = {
     "truncated_safetensors": (lambda d, t: _truncate(d), "not a readable safetensors file"),
     "garbage_safetensors": (lambda d, t: (d / "model.safetensors").write_bytes(b"\x00" * 64), "not a readable safetensors file"),
-    "config_missing": (lambda d, t: (d / "config.json").unlink(), "config.json not found"),
+    "config_missing": (lambda d, t: (d / "config.json").unlink(), "config.json not found; a draft is a directory in speculators"),
     "config_unparsable": (lambda d, t: (d / "config.json").write_text("{\"a\": "), "not valid JSON"),
     "config_not_object": (lambda d, t: (d / "config.json").write_text("[1, 2]"), "expected a JSON object"),
     "config_field_missing": (lambda d, t: _config(d, lambda c: _layer(c).pop("hidden_size")), "malformed field"),
