@@ -73,7 +73,7 @@ def _chat_rows(messages: list, tokenizer, where: str) -> list[PromptRow]:
 
 def _ids(rendered) -> list[int]:
     # transformers 5 returns a BatchEncoding-like mapping from apply_chat_template(tokenize=True)
-    return rendered["input_ids"] if isinstance(rendered, dict) or hasattr(rendered, "keys") else rendered
+    return rendered["input_ids"] if hasattr(rendered, "keys") else rendered
 
 
 def read_prompts(path: Path, target_dir: Path, vocab_size: int, max_positions: int) -> list[PromptRow]:

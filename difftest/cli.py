@@ -317,7 +317,7 @@ def capture(
     from difftest.validate import validate_checkpoint
 
     with one_line_errors(verbose):
-        torch_dtype = parse_dtype(dtype) if dtype != "auto" else None
+        torch_dtype = parse_dtype(dtype)
         if torch_dtype is None:
             fail("--dtype must be fp32, bf16 or fp16 for a capture")
         if device.split(":")[0] not in ("cpu", "cuda"):

@@ -142,6 +142,12 @@ def speculators_to_legacy(src: str | Path | Checkpoint, out_dir: str | Path) -> 
     return conv
 
 
+def converted_config(ckpt: Checkpoint) -> dict[str, Any]:
+    """The config a correct conversion serves for this checkpoint (before the dtype it records):
+    a legacy checkpoint's own, or the legacy form of a speculators one."""
+    return legacy_config(ckpt.config).config if ckpt.format is CheckpointFormat.SPECULATORS else ckpt.config
+
+
 def served_copy(src: Checkpoint, out_dir: Path) -> Conversion:
     """What `difftest convert` writes for SGLang: the legacy layout, from either format."""
     if src.format is CheckpointFormat.SPECULATORS:

@@ -316,7 +316,7 @@ def diagnose(comparison: Comparison, findings: list[Finding] = ()) -> Diagnosis 
             also = sorted({f.cause for f in errors if f.cause not in rule.findings})
             at = probe
             if rule.home and probe not in rule.home:
-                at = next((r.probe for r in comparison.results if not r.ok and r.probe in rule.home), None)
+                at = _first_failing(comparison, rule.home)
             return Diagnosis(rule.cause, rule.explanation, rule.fix, at, [f.message for f in backing], also,
                              [f.check for f in backing])
     where = f"at {first.probe} ({first.status.value})" if first else "in the audit"
@@ -362,8 +362,16 @@ def _probe_owned_by_other_cause(comparison: Comparison, serving: Diagnosis | Non
 
 def _home_probe(cause: str, comparison: Comparison) -> str | None:
     """The first divergent probe where this cause's own rule looks or acts, if any fails there."""
-    homes = {p for r in RULES if r.cause == cause for p in (*r.probes, *r.home)}
-    return next((r.probe for r in comparison.results if not r.ok and r.probe in homes), None)
+    return _first_failing(comparison, {p for r in RULES if r.cause == cause for p in (*r.probes, *r.home)})
+
+
+def _first_failing(comparison: Comparison, probes) -> str | None:
+    return next((r.probe for r in comparison.results if not r.ok and r.probe in probes), None)
+
+
+def _own_cost_finding(cause: str, own_costs: dict[str, Finding]) -> Finding | None:
+    """The finding behind a rule's cause that was costed alone, if one was."""
+    return next((own_costs[c] for c in CAUSES[cause].findings if c in own_costs), None) if cause in CAUSES else None
 
 
 SHORTFALL_CAUSES = ("checkpoint_changed_after_training", "vocab_map_out_of_step", "states_not_target_greedy",
@@ -427,8 +435,7 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
         entry = {"cause": serving.cause, "found_at": serving.found_at, "side": "serving",
                  "cost_accept_length": None, "how": "not measured: no chain was drafted (--chain-steps 0)",
                  "method": "not_measured"}
-        own = next((own_costs[c] for c in CAUSES[serving.cause].findings if c in own_costs), None) \
-            if serving.cause in CAUSES else None
+        own = _own_cost_finding(serving.cause, own_costs)
         if acceptance is not None and not acceptance.reference.scored_rows:
             entry["how"] = ("not measured: no row could be scored (no response row whose recorded continuation is "
                             "the target's greedy one)")
@@ -450,8 +457,7 @@ def rank_by_cost(comparison: Comparison, findings: list[Finding], acceptance=Non
                "not measured on its own: the engines' gap is one figure for every serving cause")
         entry = {"cause": precision.cause, "found_at": precision.found_at, "side": "serving",
                  "cost_accept_length": None, "how": how, "method": "not_measured"}
-        own = next((own_costs[c] for c in CAUSES[precision.cause].findings if c in own_costs), None) \
-            if precision.cause in CAUSES else None
+        own = _own_cost_finding(precision.cause, own_costs)
         if own is not None:  # measured alone after all (an undo, or the serving engine emulated)
             entry.update(_own_cost_entry(own, acceptance))
         candidates.append((precision, entry))

@@ -248,8 +248,8 @@ def run(
         measure_repair_costs(findings, inputs, engines, chain_steps, ref_run, chain_states, accept, training_metrics,
                              training_run, on_step, deployed=deployment is not None)
     if accept is not None and deployment is not None:
-        measure_undo_costs(findings, inputs, serving.deployment, candidate, options, chain_steps, ref_run, accept,
-                           training_metrics, training_run, on_step)
+        measure_undo_costs(findings, inputs, serving.deployment, deployment.served_config_file, candidate, options,
+                           chain_steps, ref_run, accept, training_metrics, training_run, on_step)
     # The headline is the cause that costs the most acceptance, serving divergence or training shortfall.
     diagnosis = rank_by_cost(comparison, findings, accept)
     return RunResult(
@@ -280,7 +280,8 @@ def _redraft_under(deployment, inputs: RunInputs, candidate: EngineAdapter, opti
     return recovered
 
 
-def measure_undo_costs(findings: list, inputs: RunInputs, deployment, candidate: EngineAdapter, options: RunOptions,
+def measure_undo_costs(findings: list, inputs: RunInputs, deployment, served_config_file: str | None,
+                       candidate: EngineAdapter, options: RunOptions,
                        chain_steps: int, ref_run: EngineRun, accept, training_metrics: dict | None,
                        training_run: Path | None, on_step: Callable[[str], None]) -> None:
     """Each deployment cause costed on its own, by the serving engine: a launch cause with that
@@ -307,8 +308,7 @@ def measure_undo_costs(findings: list, inputs: RunInputs, deployment, candidate:
             what = f"{undo['flag']} {undo['value']}" if undo["value"] is not None else f"without {undo['flag']}"
         else:
             served = served or load_checkpoint(deployment.served_dir)
-            if undo["repair"] == "served_config_restored" and \
-                    _served_config_file(deployment, candidate, inputs, options):
+            if undo["repair"] == "served_config_restored" and served_config_file:
                 finding.measured["undo_not_measured"] = ("the launch reads the draft's config from "
                                                          "--decrypted-draft-config-file, not the served directory")
                 continue
@@ -326,12 +326,6 @@ def measure_undo_costs(findings: list, inputs: RunInputs, deployment, candidate:
         finding.measured.update(result)
         measured_repairs[key] = result
         del repaired
-
-
-def _served_config_file(deployment, candidate: EngineAdapter, inputs: RunInputs, options: RunOptions) -> str | None:
-    plan = candidate.deployment_plan(inputs.checkpoint, inputs.target,
-                                     replace(options, serving=replace(options.serving, deployment=deployment)))
-    return plan.served_config_file
 
 
 def measure_repair_costs(findings: list, inputs: RunInputs, engines: dict[str, tuple[EngineAdapter, RunOptions]],

@@ -100,11 +100,9 @@ def _served_tensor_restored(served: Checkpoint, sources: RepairSources, args: di
 def _served_config_restored(served: Checkpoint, sources: RepairSources, args: dict) -> Repaired:
     """The served config's keys for one field set back to what a correct conversion of the
     training config writes (a key it does not write is removed)."""
-    from difftest.checkpoint import CheckpointFormat
-    from difftest.convert import legacy_config
+    from difftest.convert import converted_config
 
-    trained = sources.training_checkpoint
-    expected = legacy_config(trained.config).config if trained.format is CheckpointFormat.SPECULATORS else trained.config
+    expected = converted_config(sources.training_checkpoint)
     config = json.loads(json.dumps(served.config))
     for key in args["keys"]:
         if key in expected:

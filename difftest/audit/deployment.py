@@ -81,10 +81,9 @@ def config_rows(training: Checkpoint, served: Checkpoint) -> list[dict]:
     """Every served config field against what a correct conversion writes: carried, changed,
     dropped, added. Which of these change the forward is the conversion audit's (FIELDS) and
     the measured config audit's question; this table is the whole picture."""
-    from difftest.checkpoint import CheckpointFormat
-    from difftest.convert import legacy_config
+    from difftest.convert import converted_config
 
-    expected = legacy_config(training.config).config if training.format is CheckpointFormat.SPECULATORS else training.config
+    expected = converted_config(training)
     got = served.config
     rows = []
     for key in sorted(set(expected) | set(got)):
