@@ -100,8 +100,9 @@ def test_the_banner_weight_follows_the_cost(reports, tmp_path):
     from difftest.report.html import render_html
 
     rep = json.loads(json.dumps(reports["fault"][0]))
-    assert "class='banner DIVERGED'" in render_html(rep)
+    assert "class='banner DIVERGED'" in render_html(rep) and "<b>Fix:</b>" in render_html(rep)
     rep["diagnosis"]["ranked"][0].update(cost_accept_length=0.01, within_tolerance=True)
+    assert "<b>Fix (optional: this costs nothing measurable on these states):</b>" in render_html(rep)
     html_file = tmp_path / "free.html"
     html_file.write_text(render_html(rep))
     assert "class='banner DIVERGED free'" in html_file.read_text()

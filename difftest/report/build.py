@@ -11,7 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 from difftest.pipeline import RunResult
-from difftest.report.views import absent_params, shared_config_verdict
+from difftest.report.views import absent_params, fix_label, shared_config_verdict
 
 SCHEMA_VERSION = "1.0"
 SCHEMA_FILE = Path(__file__).with_name("schema.json")
@@ -183,7 +183,7 @@ def render_markdown(report: dict) -> str:
         lines += [f"- evidence: {e}" for e in diag.get("evidence") or []]
         if diag.get("also"):
             lines.append(f"- other audit errors: {', '.join(diag['also'])}")
-        lines += ["", f"**Fix:** {diag['fix']}", ""]
+        lines += ["", f"**{fix_label(diag)}:** {diag['fix']}", ""]
         if len(diag.get("ranked") or []) > 1 or any(e.get("cost_accept_length") is not None for e in diag.get("ranked") or []):
             lines += ["## What costs acceptance (most first)", "", "| cause | found at | side | cost in mean accept length | measured as |",
                       "|---|---|---|---|---|"]

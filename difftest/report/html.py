@@ -10,7 +10,7 @@ import json
 import shlex
 
 from difftest.probes import PROBES, ProbeKind
-from difftest.report.views import absent_params, shared_config_verdict
+from difftest.report.views import absent_params, fix_label, shared_config_verdict
 
 # An exact zero has no place on a log axis; draw it at the bottom edge and say so.
 LOG_FLOOR = 1e-12
@@ -190,7 +190,7 @@ def render_html(report: dict) -> str:
             parts.append("<ul>" + "".join(f"<li>{_e(e)}</li>" for e in diag["evidence"]) + "</ul>")
         if diag.get("also"):
             parts.append(f"<p>Other audit errors: {_e(', '.join(diag['also']))}</p>")
-        parts.append(f"</div><div class='fix'><b>Fix:</b> {_e(diag['fix'])}</div>")
+        parts.append(f"</div><div class='fix'><b>{_e(fix_label(diag))}:</b> {_e(diag['fix'])}</div>")
         if diag.get("ranked"):
             parts.append("<h2>What costs acceptance (most first)</h2>" + _table(
                 ["cause", "found at", "side", "cost in mean accept length", "measured as"],

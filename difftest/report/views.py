@@ -26,6 +26,13 @@ def absent_params(report: dict) -> list[AbsentParam]:
     return out
 
 
+def fix_label(diag: dict) -> str:
+    """A fix for a headline that costs nothing measurable is not a reason to retrain: say so."""
+    if (diag.get("ranked") or [{}])[0].get("within_tolerance"):
+        return "Fix (optional: this costs nothing measurable on these states)"
+    return "Fix"
+
+
 def shared_config_verdict(rows: list[dict]) -> str | None:
     """The one reason every config-audit row was not measured, when there is one."""
     verdicts = {r["verdict"] for r in rows}
