@@ -135,6 +135,23 @@ def bare_engines_seconds(cache: Path) -> float:
     return time.perf_counter() - t0
 
 
+def reproduction(training: dict, trained: dict | None) -> dict:
+    """Does the draft trained here land where the shipped one did? The band is the shipped
+    held-out full_acc_0 +- 2 standard errors of a rate measured on this many positions: a
+    rebuild inside it cannot be told apart from the shipped draft on these held-out states."""
+    import math
+
+    manifest = json.loads((ROOT / "fixtures" / "smollm2" / "manifest.json").read_text())["training"]
+    shipped, rebuilt = manifest["heldout"]["full_acc_0"], training["full_acc_0"]
+    n = training.get("scored_positions")
+    half = 2 * math.sqrt(shipped * (1 - shipped) / n) if n else None
+    return {"shipped_full_acc_0": shipped, "rebuilt_full_acc_0": rebuilt, "scored_positions": n,
+            "band": [shipped - half, shipped + half] if half else None,
+            "inside_band": bool(half) and abs(rebuilt - shipped) <= half,
+            "same_trainer_arguments": bool(trained) and trained.get("argv") == manifest.get("argv"),
+            "epochs": (trained or {}).get("epochs")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--from-scratch", action="store_true", help="generate and train for real")
@@ -170,6 +187,7 @@ def main() -> None:
         token = greedy_token_seconds(Path(tmp) / "smollm2" / "target")
         step = train_step_seconds(Path(tmp))
         training = json.loads((Path(tmp) / "smollm2" / "training.json").read_text())
+        trained = next((r.get("trained") or r for name, r in records.items() if name.startswith(("draft", "train"))), None)
 
     def baseline_for(name: str) -> tuple[str, float]:
         if name.startswith(("generate", "conversations")):
@@ -197,6 +215,8 @@ def main() -> None:
         "heldout_full_acc_0": training.get("full_acc_0"),
         "verdict_lines": proc.stdout.strip().splitlines(),
     }
+    if args.from_scratch:
+        out["reproduction"] = reproduction(training, trained)
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:

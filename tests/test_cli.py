@@ -8,6 +8,7 @@ import pytest
 
 from difftest.report import validate_report
 from tests.conftest import tree_hash
+from tests.test_progress import assert_only_progress_lines
 
 
 def difftest(*args, cwd=None):
@@ -21,6 +22,8 @@ def test_report_parity(tiny, tmp_path, fmt, dtype):
     proc = difftest("report", tiny / fmt, "--dtype", dtype, "--out", tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("PARITY")
+    # stderr is a pipe here, as in CI: plain progress lines and nothing from the engines
+    assert_only_progress_lines(proc.stderr)
     rep = json.loads((tmp_path / "report.json").read_text())
     validate_report(rep)
     assert rep["verdict"] == "PARITY" and rep["first_divergence"] is None

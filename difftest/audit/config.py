@@ -18,7 +18,7 @@ import fnmatch
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -139,6 +139,9 @@ class _Engines:
     target: TargetWeights
     states: CapturedStates
     options: RunOptions
+    # (engine, config) -> its run: a field's neutral value is often what its variant set
+    # (a flag toggled off), and the same config over the same weights is the same build.
+    runs: dict = field(default_factory=dict)
 
 
 def _variant(base: Checkpoint, config: dict, root: Path, name: str) -> Checkpoint:
@@ -177,6 +180,13 @@ def _unmeasurable(run: EngineRun) -> str:
 
 
 def _run(adapter: EngineAdapter, ckpt: Checkpoint, e: _Engines) -> EngineRun | str:
+    key = (adapter.name, json.dumps(ckpt.config, sort_keys=True))
+    if key not in e.runs:
+        e.runs[key] = _build_and_run(adapter, ckpt, e)
+    return e.runs[key]
+
+
+def _build_and_run(adapter: EngineAdapter, ckpt: Checkpoint, e: _Engines) -> EngineRun | str:
     from difftest.errors import ServingRefused
 
     try:
@@ -215,45 +225,56 @@ def audit_config(ckpt: Checkpoint, target: TargetWeights, states: CapturedStates
                      "verdict": f"not measured: {broken}"} for path, value in _leaves(base.config)], []
         for i, (path, value) in enumerate(_leaves(config)):
             rule = rule_for(path)
-            row = {"field": path, "value": value, "kind": rule.kind if rule else "unclassified"}
-            if rule is None or rule.kind != "behavioral":
-                row["verdict"] = {"structural": "checked against tensor shapes", "metadata": "no forward meaning",
-                                  "capture": "see capture audit"}.get(row["kind"], "unclassified: not tested")
-                row["why"] = rule.why if rule else ""
+            if rule is not None and rule.kind == "behavioral":
+                row, finding = _measure_field(i, path, value, rule, base, base_ref, base_cand, root, e)
                 rows.append(row)
+                findings += [finding] if finding else []
                 continue
-            new = rule.perturb(value)
-            row["perturbed_to"] = new
-            variant_cfg = _set(config, path, new)
-            for extra_path, extra_value in rule.also:
-                variant_cfg = _set(variant_cfg, extra_path, extra_value)
-            variant = _variant(base, variant_cfg, root, f"v{i}")
-            ref_v, cand_v = _run(reference, variant, e), _run(candidate, variant, e)
-            ref_eff = _effect(base_ref, ref_v) if not isinstance(ref_v, str) else None
-            cand_eff = _effect(base_cand, cand_v) if not isinstance(cand_v, str) else None
-            row.update({"speculators_effect": ref_eff if ref_eff is not None else ref_v,
-                        "sglang_effect": cand_eff if cand_eff is not None else cand_v})
-            ref_changes = ref_eff is not None and ref_eff > EFFECT_THRESHOLD
-            cand_changes = cand_eff is not None and cand_eff > EFFECT_THRESHOLD
-            if ref_eff is None or cand_eff is None:
-                who = " and ".join(n for n, eff in (("speculators", ref_eff), ("SGLang", cand_eff)) if eff is None)
-                row["verdict"] = f"variant rejected by {who}"
-                if ref_eff is not None and ref_eff > EFFECT_THRESHOLD and cand_eff is None:
-                    findings.append(Finding(CHECK, rule.cause, Severity.INFO,
-                                            f"{path}={new!r} is accepted by speculators but refused by SGLang: {cand_v}"))
-            elif ref_changes and cand_changes:
-                row["verdict"] = "honored by both"
-            elif not ref_changes and not cand_changes:
-                row["verdict"] = "inert in both" + (f" ({rule.why})" if rule.why else "")
-            elif cand_changes:
-                row["verdict"] = "changes SGLang only"
-                findings.append(Finding(CHECK, rule.cause, Severity.ERROR,
-                                        f"{path} changes SGLang's forward but not speculators'", {"sglang_effect": cand_eff}))
-            else:
-                row["verdict"] = "ignored by SGLang"
-                findings.append(_ignored_finding(path, value, rule, base, base_ref, root, i, e))
+            row = {"field": path, "value": value, "kind": rule.kind if rule else "unclassified"}
+            row["verdict"] = {"structural": "checked against tensor shapes", "metadata": "no forward meaning",
+                              "capture": "see capture audit"}.get(row["kind"], "unclassified: not tested")
+            row["why"] = rule.why if rule else ""
             rows.append(row)
     return rows, findings
+
+
+def _measure_field(i: int, path: str, value, rule: FieldRule, base: Checkpoint, base_ref: EngineRun,
+                   base_cand: EngineRun, root: Path, e: _Engines) -> tuple[dict, Finding | None]:
+    """One behavioral field: both engines built from a variant with the field perturbed,
+    each compared with its own baseline."""
+    row = {"field": path, "value": value, "kind": rule.kind}
+    new = rule.perturb(value)
+    row["perturbed_to"] = new
+    variant_cfg = _set(base.config, path, new)
+    for extra_path, extra_value in rule.also:
+        variant_cfg = _set(variant_cfg, extra_path, extra_value)
+    variant = _variant(base, variant_cfg, root, f"v{i}")
+    ref_v, cand_v = _run(e.reference, variant, e), _run(e.candidate, variant, e)
+    ref_eff = _effect(base_ref, ref_v) if not isinstance(ref_v, str) else None
+    cand_eff = _effect(base_cand, cand_v) if not isinstance(cand_v, str) else None
+    row.update({"speculators_effect": ref_eff if ref_eff is not None else ref_v,
+                "sglang_effect": cand_eff if cand_eff is not None else cand_v})
+    ref_changes = ref_eff is not None and ref_eff > EFFECT_THRESHOLD
+    cand_changes = cand_eff is not None and cand_eff > EFFECT_THRESHOLD
+    finding = None
+    if ref_eff is None or cand_eff is None:
+        who = " and ".join(n for n, eff in (("speculators", ref_eff), ("SGLang", cand_eff)) if eff is None)
+        row["verdict"] = f"variant rejected by {who}"
+        if ref_eff is not None and ref_eff > EFFECT_THRESHOLD and cand_eff is None:
+            finding = Finding(CHECK, rule.cause, Severity.INFO,
+                              f"{path}={new!r} is accepted by speculators but refused by SGLang: {cand_v}")
+    elif ref_changes and cand_changes:
+        row["verdict"] = "honored by both"
+    elif not ref_changes and not cand_changes:
+        row["verdict"] = "inert in both" + (f" ({rule.why})" if rule.why else "")
+    elif cand_changes:
+        row["verdict"] = "changes SGLang only"
+        finding = Finding(CHECK, rule.cause, Severity.ERROR,
+                          f"{path} changes SGLang's forward but not speculators'", {"sglang_effect": cand_eff})
+    else:
+        row["verdict"] = "ignored by SGLang"
+        finding = _ignored_finding(path, value, rule, base, base_ref, root, i, e)
+    return row, finding
 
 
 def _ignored_finding(path, value, rule: FieldRule, base: Checkpoint, base_ref: EngineRun, root: Path, i: int, e: _Engines) -> Finding:

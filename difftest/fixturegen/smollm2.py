@@ -351,7 +351,9 @@ def heldout_accuracy(p: Paths, draft_dir: Path) -> dict:
             sums[k] = sums.get(k, 0.0) + float(v)
     acc = {f"full_acc_{s}": sums[f"full_acc_{s}_sum"] / max(sums[f"full_acc_{s}_total"], 1) for s in range(3)}
     chance = 1.0 / DRAFT_VOCAB
-    return {"heldout_conversations": len(convs) - start, **acc, "chance": chance}
+    # How many positions full_acc_0 was scored on: what says how precise the figure is.
+    return {"heldout_conversations": len(convs) - start, **acc, "chance": chance,
+            "scored_positions": int(sums["full_acc_0_total"])}
 
 
 def export(p: Paths) -> dict:
