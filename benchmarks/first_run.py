@@ -135,7 +135,21 @@ def bare_engines_seconds(cache: Path) -> float:
     return time.perf_counter() - t0
 
 
-def reproduction(training: dict, trained: dict | None) -> dict:
+def tensors_against_manifest(draft_dir: Path) -> dict:
+    """The rebuilt draft's tensors against the checksums the manifest recorded when the
+    shipped draft was trained: which are bit for bit the trained ones."""
+    from safetensors.torch import load_file
+
+    from difftest.fixturegen.smollm2 import tensor_sha256
+
+    want = json.loads((ROOT / "fixtures" / "smollm2" / "manifest.json").read_text())["draft"]["tensors"]
+    got = {name: tensor_sha256(t) for f in sorted(draft_dir.glob("*.safetensors")) for name, t in load_file(f).items()}
+    same = sorted(n for n in want if got.get(n) == want[n]["sha256"])
+    return {"tensors_in_manifest": len(want), "bitwise_equal": len(same),
+            "differ": sorted(set(want) - set(same)), "not_in_manifest": sorted(set(got) - set(want))}
+
+
+def reproduction(training: dict, trained: dict | None, cache: Path) -> dict:
     """Does the draft trained here land where the shipped one did? The band is the shipped
     held-out full_acc_0 +- 2 standard errors of a rate measured on this many positions: a
     rebuild inside it cannot be told apart from the shipped draft on these held-out states."""
@@ -148,7 +162,9 @@ def reproduction(training: dict, trained: dict | None) -> dict:
     return {"shipped_full_acc_0": shipped, "rebuilt_full_acc_0": rebuilt, "scored_positions": n,
             "band": [shipped - half, shipped + half] if half else None,
             "inside_band": bool(half) and abs(rebuilt - shipped) <= half,
-            "same_trainer_arguments": bool(trained) and trained.get("argv") == manifest.get("argv"),
+            # the manifest writes the cache as $CACHE; so does this, to compare the rest
+            "same_trainer_arguments": bool(trained) and [a.replace(str(cache), "$CACHE") for a in trained["argv"]]
+            == manifest.get("argv"),
             "epochs": (trained or {}).get("epochs")}
 
 
@@ -188,6 +204,7 @@ def main() -> None:
         step = train_step_seconds(Path(tmp))
         training = json.loads((Path(tmp) / "smollm2" / "training.json").read_text())
         trained = next((r.get("trained") or r for name, r in records.items() if name.startswith(("draft", "train"))), None)
+        rebuilt = tensors_against_manifest(Path(tmp) / "smollm2" / "draft" / "speculators") if args.from_scratch else None
 
     def baseline_for(name: str) -> tuple[str, float]:
         if name.startswith(("generate", "conversations")):
@@ -216,7 +233,7 @@ def main() -> None:
         "verdict_lines": proc.stdout.strip().splitlines(),
     }
     if args.from_scratch:
-        out["reproduction"] = reproduction(training, trained)
+        out["reproduction"] = {**reproduction(training, trained, Path(tmp) / "smollm2"), "draft_tensors": rebuilt}
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:
