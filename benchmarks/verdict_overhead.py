@@ -6,8 +6,10 @@ verdict  `difftest report CKPT --no-audit-config --chain-steps 0 --no-target-cap
          first divergence and diagnosis (both engines, probes, ledgers, vocab/capture/conversion
          audit, and the fp32 noise-floor run when the draft is stored in low precision)
 full     `difftest report CKPT`: the verdict plus the config audit, measured target capture and
-         predicted acceptance (no goal; shown so the cost of each extra is visible)
-Each is a fresh process, so each pays Python and torch start-up alike. Goals: verdict / bare <= 1.15,\nfull / bare <= 1.5. The full report's phases (from its plain progress lines) show where its time goes.
+         predicted acceptance
+Each is a fresh process, so each pays Python and torch start-up alike. Goals (#31): verdict / bare
+<= 1.15, full / bare <= 1.5. The full report's phases (from its plain progress lines) show where
+its time goes.
 
     python benchmarks/verdict_overhead.py [--repeat 3] [--full] [--out FILE]   (default: the embedded SmolLM2 fixture)
 """
@@ -27,9 +29,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-PROGRESS = re.compile(r"^difftest: \[ *(\d+\.\d)s\] [^:]+: (.*?)(?: \(about \d+:\d\d left\))?$")
-
-
 def timed(cmd: list[str]) -> tuple[float, dict[str, float]]:
     """Wall seconds, and the seconds from each progress line to the next (a phase's share)."""
     t0 = time.perf_counter()
@@ -37,7 +36,9 @@ def timed(cmd: list[str]) -> tuple[float, dict[str, float]]:
     wall = time.perf_counter() - t0
     if proc.returncode not in (0, 1):  # 1 is a divergence verdict, a result like any other
         raise SystemExit(f"{' '.join(cmd[:4])}...: exit {proc.returncode}\n{proc.stderr[-2000:]}")
-    marks = [(float(m[1]), m[2]) for m in map(PROGRESS.match, proc.stderr.splitlines()) if m]
+    from difftest.progress import PLAIN_LINE
+
+    marks = [(float(m["elapsed"]), m["note"]) for m in map(PLAIN_LINE.match, proc.stderr.splitlines()) if m]
     phases: dict[str, float] = {}
     for (t, what), (t_next, _) in zip(marks, marks[1:]):
         key = re.sub(r"\(.*", "", what).strip()  # the same phase in every run, whatever it names

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 Step = Callable[[str], None]
+
+# What one plain progress line looks like off a terminal (written by Tracker._render):
+# elapsed seconds on the run's clock, the step's label, its note, and the time left.
+PLAIN_LINE = re.compile(r"^(?P<prefix>[\w-]+): \[ *(?P<elapsed>\d+\.\d)s\] (?P<label>[^:]+): (?P<note>.*?)"
+                        r"(?: \(about \d+:\d\d left\))?$")
 
 
 @dataclass

@@ -72,7 +72,6 @@ def _figure(size: tuple[float, float]):
 
 def error_plot_png(report: dict) -> bytes:
     """Each activation probe's rel_max and rel_diff against its tolerance, dataflow order, log scale."""
-
     kinds = {p.name: p.kind for p in PROBES}
     rows = [p for p in report["probes"] if kinds.get(p["probe"]) is ProbeKind.ACTIVATION]
     names = [p["probe"] for p in rows]
@@ -110,7 +109,6 @@ def error_plot_png(report: dict) -> bytes:
 
 def acceptance_plot_png(acc: dict) -> bytes:
     """Each engine's chain reach (P(steps 1..j all accepted)) per step, with training's full_acc_j."""
-
     fig = _figure((7, 3.6))
     ax = fig.subplots()
     for side, marker in (("reference", "o"), ("candidate", "s")):
