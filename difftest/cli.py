@@ -4,6 +4,7 @@ or a false alarm), 2 bad input or usage, 3 internal error."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -112,6 +113,9 @@ def report(
     serve: Optional[Path] = typer.Option(None, help="the served draft directory, exactly as deployed (needs --launch or --launch-file)"),
     launch: Optional[str] = typer.Option(None, help="the SGLang launch command that serves it, as one string"),
     launch_file: Optional[Path] = typer.Option(None, help="a file holding the launch command (relative paths in it resolve against its directory)"),
+    serving_engines: str = typer.Option("sglang,vllm", "--serving", envvar="DIFFTEST_SERVING",
+                                        help="the serving engines to compare with training, comma-separated: sglang, "
+                                        "vllm (vLLM runs in its own venv, .venv-vllm)"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="print only the verdict line"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="show engine logs and tracebacks"),
 ) -> None:
@@ -124,6 +128,15 @@ def report(
     except InputError as exc:
         fail(str(exc))
 
+    from difftest.engines import SERVING_ENGINES
+
+    engines = list(dict.fromkeys(e.strip() for e in serving_engines.split(",") if e.strip()))
+    unknown = [e for e in engines if e not in SERVING_ENGINES]
+    if unknown or not engines:
+        fail(f"--serving takes serving engines from {', '.join(SERVING_ENGINES)}, comma-separated; got {serving_engines!r}")
+    if deployment is not None and "sglang" not in engines:
+        fail("--serve/--launch describe an SGLang deployment (vLLM's launch command is not read yet); "
+             "add sglang to --serving")
     torch_dtype = parse_dtype(dtype)
     if device.split(":")[0] not in ("cpu", "cuda"):
         fail(f"--device must be cpu or cuda, got {device!r}")
@@ -184,8 +197,11 @@ def report(
             if deployment is not None and (serve_without_aux_capture or serve_lm_head_from_target):
                 fail("--serve-without-aux-capture and --serve-lm-head-from-target simulate a deployment; with --serve "
                      "the launch command decides both")
-            serving = ServingSetup(aux_capture=not serve_without_aux_capture, lm_head_from_target=serve_lm_head_from_target,
-                                   deployment=deployment)
+            setup = ServingSetup(aux_capture=not serve_without_aux_capture, lm_head_from_target=serve_lm_head_from_target)
+            # The launch command is SGLang's: SGLang serves the deployment; another engine serves the
+            # training checkpoint the way that engine reads it (its adapter says how).
+            serving = {name: dataclasses.replace(setup, deployment=deployment if name == "sglang" else None)
+                       for name in engines}
             codes = []
             for ckpt, out_dir in jobs:
                 base = {"report": old_report, "path": str(baseline), "factor": baseline_factor} if old_report else None
@@ -261,6 +277,7 @@ def _report_one(ckpt, target, states, dtype, device, out_dir, max_tokens, servin
     from difftest import pipeline
     from difftest.progress import PlannedStep, Tracker
     from difftest.report import build_report, write_reports
+    from difftest.report.build import build_set_report
 
     tracker = tracker or Tracker(False)
     # Bad input fails inside prepare, before any progress line: its error stays the only line.
@@ -268,10 +285,12 @@ def _report_one(ckpt, target, states, dtype, device, out_dir, max_tokens, servin
     name = f"report:{inputs.checkpoint.format.value}"
     tracker.extend([PlannedStep(name, f"report ({inputs.checkpoint.format.value} format)", REPORT_ESTIMATE_S)])
     tracker.start(name)
-    result = pipeline.run(inputs, dtype=dtype or inputs.checkpoint.stored_dtype(), device=device, serving=serving,
-                          audit_config=audit_config, on_step=tracker.note, **(analysis or {}))
+    results = pipeline.run_set(inputs, serving, dtype=dtype or inputs.checkpoint.stored_dtype(), device=device,
+                               audit_config=audit_config, on_step=tracker.note, **(analysis or {}))
     tracker.note("writing reports")
-    rep = build_report(result, command=["difftest", *sys.argv[1:]], extra=extra)
+    command = ["difftest", *sys.argv[1:]]
+    reports = {name: build_report(result, command=command, extra=extra) for name, result in results.items()}
+    rep = next(iter(reports.values())) if len(reports) == 1 else build_set_report(reports, command)
     if base:
         from difftest.report.baseline import regressions
 
@@ -417,7 +436,7 @@ def _convert(checkpoint: Path, out: Path, target, states, reports: Path, quiet: 
     tracker = Tracker(not quiet)
     with tracker.live():
         return _report_one(checkpoint, target_path, states, None, "cpu", reports, None,
-                           ServingSetup(deployment=deployment), {}, True, False, None, tracker,
+                           {"sglang": ServingSetup(deployment=deployment)}, {}, True, False, None, tracker,
                            {"chain_steps": 4, "measure_target_capture": True})
 
 

@@ -60,6 +60,13 @@ RULES: tuple[Rule, ...] = (
                       "Nothing was served, so nothing was compared."),
          fix=("Write the config `difftest convert TRAIN_CKPT OUT` writes: every field SGLang reads, draft_vocab_size "
               "(the lm_head's rows) and target_hidden_size included.")),
+    Rule("served_weights_refused", findings=("served_weights_refused",),
+         explanation=("The serving engine's weight loader refuses a tensor the served directory holds (vLLM's "
+                      "AutoWeightsLoader raises on a name no parameter of the draft has, where SGLang skips it without "
+                      "a word): a server started on it fails while loading. Nothing was served, so nothing was "
+                      "compared."),
+         fix=("Name the tensors as training saved them (speculators' names, or `midlayer.*` in the legacy format): "
+              "`difftest convert TRAIN_CKPT OUT` writes them.")),
     Rule("speculative_algorithm_not_eagle3", findings=("speculative_algorithm_not_eagle3",),
          explanation=("The launch command serves an EAGLE-3 draft with --speculative-algorithm EAGLE. SGLang then "
                       "resolves no aux hidden-state capture (the draft gets the target's last state, and fc is skipped "

@@ -28,16 +28,16 @@ DEFAULT_STATES_NAMES = ("states.safetensors", "../states.safetensors")
 CAPTURE_TOKENS = 192
 
 
-def reference_adapter() -> EngineAdapter:
-    from difftest.engines.speculators_engine import SpeculatorsAdapter
+def reference_adapter(name: str = "speculators") -> EngineAdapter:
+    from difftest.engines import adapter
 
-    return SpeculatorsAdapter()
+    return adapter(name)
 
 
-def candidate_adapter() -> EngineAdapter:
-    from difftest.engines.sglang_engine import SGLangAdapter
+def candidate_adapter(name: str = "sglang") -> EngineAdapter:
+    from difftest.engines import adapter
 
-    return SGLangAdapter()
+    return adapter(name)
 
 
 @dataclass
@@ -191,8 +191,11 @@ def run(
                             chain_steps=chain_steps)
     release_memory(collect)
     on_step(f"{candidate.name}: load, forward{chained}")
-    cand_run = candidate.run(inputs.checkpoint, inputs.target, inputs.states, cand_options, chain_steps=chain_steps,
-                             chain_states=chain_states)
+    try:
+        cand_run = candidate.run(inputs.checkpoint, inputs.target, inputs.states, cand_options,
+                                 chain_steps=chain_steps, chain_states=chain_states)
+    except ServingRefused as refused:  # its loader refuses what it is served, as its server would at start
+        return refused_deployment(inputs, options, refused, reference, candidate, on_step)
     release_memory(collect)
     if cand_run.chain is not None and chain_states is None and serving_plan.hf_layer_ids != list(inputs.states.aux_layer_ids):
         note = (f"drafted from the training states: the serving side captures {serving_plan.hf_layer_ids}, but these "
@@ -258,6 +261,44 @@ def run(
         timings_s={"engines": time.perf_counter() - t0}, findings=findings, config_audit=rows,
         conversion=conversion_rows, capture=capture, target_capture=parity, acceptance=accept, deployment=served,
     )
+
+
+class _TrainingRunsOnce:
+    """The training engine behind a set of serving engines: one report compares it with each of
+    them, and the same checkpoint, states, options and chain length give the same run, so each
+    is run once. Anything else (a repaired copy, a variant) is a new run."""
+
+    def __init__(self, adapter: EngineAdapter):
+        self._adapter = adapter
+        self.name = adapter.name
+        self._runs: list[tuple[tuple, EngineRun]] = []
+
+    def __getattr__(self, attr):
+        return getattr(self._adapter, attr)
+
+    def run(self, checkpoint, target, states, options, chain_steps: int = 0, chain_states=None) -> EngineRun:
+        # Identity, not equality, for the inputs: the keys keep them alive, so no id is reused.
+        key = (checkpoint, target, states, options, chain_steps, chain_states)
+        for seen, run_ in self._runs:
+            if all(a is b for a, b in zip(seen[:3], key[:3])) and seen[3:5] == key[3:5] and seen[5] is key[5]:
+                return run_
+        run_ = self._adapter.run(checkpoint, target, states, options, chain_steps=chain_steps, chain_states=chain_states)
+        self._runs.append((key, run_))
+        return run_
+
+
+def run_set(inputs: RunInputs, serving: dict[str, ServingSetup], on_step: Callable[[str], None] = lambda _msg: None,
+            **analysis) -> dict[str, RunResult]:
+    """Training compared with each serving engine in turn (`serving`: engine name -> how it is
+    served), the training engine's runs shared between them."""
+    reference = _TrainingRunsOnce(reference_adapter())
+    results = {}
+    for name, setup in serving.items():
+        step = (lambda msg, name=name: on_step(f"[{name}] {msg}")) if len(serving) > 1 else on_step
+        results[name] = run(inputs, serving=setup, reference=reference, candidate=candidate_adapter(name),
+                            on_step=step, **analysis)
+        release_memory(inputs.checkpoint.nbytes() > COLLECT_ABOVE_BYTES)
+    return results
 
 
 def _redraft_under(deployment, inputs: RunInputs, candidate: EngineAdapter, options: RunOptions, chain_steps: int,
@@ -403,9 +444,10 @@ def refused_deployment(inputs: RunInputs, options: RunOptions, refused: ServingR
                       f"{refused.engine} refuses {refused.served_dir} before loading a weight: {refused.reason}",
                       {"served_dir": refused.served_dir, "engine_error": refused.reason})
     deployment = options.serving.deployment
-    served = {"served_dir": str(deployment.served_dir), "launch_argv": list(deployment.launch_argv),
-              "plan": {"dtype": "not resolved", "chain_steps": 0, "flags": [], "notes": [finding.message]},
-              "tensors": [], "config": [], "launch": [], "refused": refused.reason}
+    served = None if deployment is None else {
+        "served_dir": str(deployment.served_dir), "launch_argv": list(deployment.launch_argv),
+        "plan": {"dtype": "not resolved", "chain_steps": 0, "flags": [], "notes": [finding.message]},
+        "tensors": [], "config": [], "launch": [], "refused": refused.reason}
     # Every probe is listed as not computed, with why; the cause is the refusal itself, found
     # by the launch audit, never paired with a probe it did not make diverge.
     tol = tolerance_for(options.dtype)
@@ -502,7 +544,7 @@ def audit(inputs: RunInputs, reference: EngineAdapter, candidate: EngineAdapter,
                                         {"aux_width": width, "hidden_size": ckpt.spec.hidden_size}))
     from difftest.known_divergences import check_known_divergences
 
-    findings += conversion_findings + capture_findings + check_known_divergences(ckpt)
+    findings += conversion_findings + capture_findings + check_known_divergences(ckpt, candidate.name)
     capture = {"serving": serving_plan.as_dict(), "training": training_plan.as_dict(),
                "states_hf_ids": list(inputs.states.aux_layer_ids)}
     return findings, conversion_rows, capture

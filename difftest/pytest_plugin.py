@@ -2,7 +2,7 @@
 
 Options: --difftest-ckpt DIR (default: the embedded fixture), --difftest-target DIR,
 --difftest-states FILE, --difftest-dtype fp32|bf16, --difftest-device cpu|cuda,
---difftest-chain-steps K.
+--difftest-chain-steps K, --difftest-serving sglang,vllm.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 
 def pytest_addoption(parser):
-    group = parser.getgroup("difftest", "EAGLE-3 draft parity between speculators and SGLang")
+    group = parser.getgroup("difftest", "EAGLE-3 draft parity between training and serving engines")
     group.addoption("--difftest-ckpt", default=None, help="draft checkpoint dir (default: embedded fixture)")
     group.addoption("--difftest-target", default=None, help="HF target dir")
     group.addoption("--difftest-states", default=None, help="captured hidden-states file")
@@ -20,6 +20,28 @@ def pytest_addoption(parser):
     group.addoption("--difftest-max-tokens", default=None, type=int, help="limit the states to this many tokens")
     group.addoption("--difftest-chain-steps", default=3, type=int,
                     help="draft steps per chain for the predicted-acceptance test (0: skip it)")
+    group.addoption("--difftest-serving", default="sglang,vllm",
+                    help="comma-separated serving engines to compare with training (each gets every test)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "serving_engines(*names): only these serving engines run this test")
+
+
+def pytest_generate_tests(metafunc):
+    """Every test that reads a result runs once per serving engine: a CI log names the engine
+    and the probe that broke."""
+    if "serving_engine" not in metafunc.fixturenames:
+        return
+    from difftest.engines import SERVING_ENGINES
+
+    asked = [e.strip() for e in metafunc.config.getoption("--difftest-serving").split(",") if e.strip()]
+    unknown = [e for e in asked if e not in SERVING_ENGINES]
+    if unknown:
+        raise pytest.UsageError(f"--difftest-serving: unknown engine(s) {unknown}; known: {list(SERVING_ENGINES)}")
+    only = metafunc.definition.get_closest_marker("serving_engines")
+    engines = [e for e in asked if only is None or e in only.args]
+    metafunc.parametrize("serving_engine", engines, scope="session")
 
 
 @pytest.fixture(scope="session")
@@ -28,10 +50,10 @@ def difftest_on_embedded_fixture(request) -> bool:
 
 
 @pytest.fixture(scope="session")
-def difftest_result(request):
+def difftest_result(request, serving_engine):
     from difftest.cli import quiet_engines
     from difftest.errors import InputError
-    from difftest.pipeline import prepare, run
+    from difftest.pipeline import candidate_adapter, prepare, run
     from difftest.tolerances import DTYPES
 
     quiet_engines(False)
@@ -49,4 +71,4 @@ def difftest_result(request):
     name = opt("--difftest-dtype")
     dtype = inputs.checkpoint.stored_dtype() if name == "auto" else DTYPES[name]
     return run(inputs, dtype=dtype, device=opt("--difftest-device"), chain_steps=opt("--difftest-chain-steps"),
-               measure_target_capture=True)
+               measure_target_capture=True, candidate=candidate_adapter(serving_engine))

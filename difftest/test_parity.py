@@ -22,6 +22,14 @@ def test_engine_imports(engine_module):
     importlib.import_module(engine_module)
 
 
+def test_vllm_imports_in_its_own_venv():
+    # vLLM runs in .venv-vllm behind the venv bridge: a venv that is missing or cannot import
+    # vLLM fails here, never skips.
+    from difftest.engines.vllm_engine.adapter import _bridge
+
+    assert _bridge().hello["vllm"] == "0.32.0"
+
+
 @pytest.mark.parametrize("probe", PROBE_NAMES)
 def test_probe_parity(difftest_result, difftest_on_embedded_fixture, probe, request):
     from difftest.known_divergences import KNOWN_UPSTREAM_DIVERGENCES
@@ -40,6 +48,7 @@ def test_probe_parity(difftest_result, difftest_on_embedded_fixture, probe, requ
     )
 
 
+@pytest.mark.serving_engines("sglang")
 def test_kernel_standin_never_called(difftest_result):
     standin = difftest_result.candidate.details["sgl_kernel_standin"]
     assert standin["total_calls"] == 0, f"sgl_kernel stand-in was called: {standin['calls']}"

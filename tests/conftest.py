@@ -1,10 +1,17 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+
+# The harness's own tests drive SGLang-specific behaviour through the CLI (deployments, launch
+# flags, costs); a report there compares training with SGLang alone, unless a test asks for more.
+# vLLM has its own tests (test_vllm_engine.py), the parity suite runs both, and the default of
+# both engines is tested where the front door is (test_cli.py).
+os.environ.setdefault("DIFFTEST_SERVING", "sglang")
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "fixtures" / "tiny"

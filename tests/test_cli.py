@@ -1,25 +1,52 @@
 """The CLI as a user runs it: a subprocess, its exit codes, its files, its inputs untouched."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from difftest.report import validate_report
+from difftest.report.build import comparisons
 from tests.conftest import tree_hash
 from tests.test_progress import assert_only_progress_lines
 
 
-def difftest(*args, cwd=None):
+def difftest(*args, cwd=None, env=None):
     return subprocess.run([sys.executable, "-m", "difftest.cli", *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd, timeout=600)
+                          capture_output=True, text=True, cwd=cwd, timeout=600, env=env)
+
+
+def test_report_parity_on_every_serving_engine(tiny, tmp_path):
+    """The default: training against SGLang and vLLM, one report, each comparison whole."""
+    before = tree_hash(tiny)
+    env = {k: v for k, v in os.environ.items() if k != "DIFFTEST_SERVING"}
+    proc = difftest("report", tiny / "speculators", "--dtype", "fp32", "--out", tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[0] == "PARITY: sglang: PARITY; vllm: PARITY"
+    # stderr is a pipe here, as in CI: plain progress lines and nothing from the engines
+    assert_only_progress_lines(proc.stderr)
+    rep = json.loads((tmp_path / "report.json").read_text())
+    validate_report(rep)
+    assert rep["serving_engines"] == ["sglang", "vllm"]
+    for name, comparison in comparisons(rep).items():
+        assert comparison["verdict"] == "PARITY" and comparison["first_divergence"] is None
+        assert comparison["engines"]["candidate"]["name"] == name
+    assert comparisons(rep)["sglang"]["environment"]["packages"]["sglang"] == "0.5.23"
+    assert comparisons(rep)["vllm"]["engines"]["candidate"]["details"]["worker"]["vllm"] == "0.32.0"
+    md = (tmp_path / "report.md").read_text()
+    assert md.startswith("# difftest report: PARITY")
+    assert "## sglang: PARITY" in md and "## vllm: PARITY" in md and md.count("| logits | pass |") == 2
+    html = (tmp_path / "report.html").read_text()
+    assert "id='sglang-deployment'" in html and "id='vllm-deployment'" in html
+    assert tree_hash(tiny) == before
 
 
 @pytest.mark.parametrize("fmt,dtype", [("speculators", "fp32"), ("legacy", "bf16")])
 def test_report_parity(tiny, tmp_path, fmt, dtype):
     before = tree_hash(tiny)
-    proc = difftest("report", tiny / fmt, "--dtype", dtype, "--out", tmp_path)
+    proc = difftest("report", tiny / fmt, "--dtype", dtype, "--serving", "sglang", "--out", tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("PARITY")
     # stderr is a pipe here, as in CI: plain progress lines and nothing from the engines

@@ -57,7 +57,7 @@ def test_a_sharded_checkpoint_with_a_stray_file_gives_parity_and_a_note(tiny_cop
     assert len(notes) == 1 and "model-old.safetensors" in notes[0]["message"] and notes[0]["severity"] == "info"
     # The measured config audit ran on the shards: every behavioral field was measured.
     measured = [r for r in rep["audit"]["config"] if "perturbed_to" in r]
-    assert measured and all(isinstance(r["speculators_effect"], float) for r in measured), measured[:3]
+    assert measured and all(isinstance(r["training_effect"], float) for r in measured), measured[:3]
     assert tree_hash(tiny_copy) == before
 
 

@@ -1,11 +1,11 @@
-"""Config translation audit: does SGLang honor each field of the speculators config?
+"""Config translation audit: does the serving engine honor each field of the training config?
 
 Decided empirically, from the installed engines, never from a list: for each field a
 variant checkpoint is written (config changed, weights symlinked read-only), both engines
 are built from it, and their outputs and module graphs are compared with their baseline
-runs. A field that changes speculators' forward but not SGLang's is not carried by the
-trip speculators -> (conversion) -> SGLang; its effect at this checkpoint's value is then
-measured on the fixture as speculators(actual) against speculators(neutral value).
+runs. A field that changes the training engine's forward but not the serving engine's is
+not carried by the trip training -> (what is served) -> serving; its effect at this
+checkpoint's value is then measured as training(actual) against training(neutral value).
 
 The field table below only says how to perturb a field and which value is neutral;
 whether it is honored is always measured.
@@ -243,6 +243,7 @@ def _measure_field(i: int, path: str, value, rule: FieldRule, base: Checkpoint, 
     """One behavioral field: both engines built from a variant with the field perturbed,
     each compared with its own baseline."""
     row = {"field": path, "value": value, "kind": rule.kind}
+    training, serving = e.reference.name, e.candidate.name
     new = rule.perturb(value)
     row["perturbed_to"] = new
     variant_cfg = _set(base.config, path, new)
@@ -252,33 +253,34 @@ def _measure_field(i: int, path: str, value, rule: FieldRule, base: Checkpoint, 
     ref_v, cand_v = _run(e.reference, variant, e), _run(e.candidate, variant, e)
     ref_eff = _effect(base_ref, ref_v) if not isinstance(ref_v, str) else None
     cand_eff = _effect(base_cand, cand_v) if not isinstance(cand_v, str) else None
-    row.update({"speculators_effect": ref_eff if ref_eff is not None else ref_v,
-                "sglang_effect": cand_eff if cand_eff is not None else cand_v})
+    row.update({"training_effect": ref_eff if ref_eff is not None else ref_v,
+                "serving_effect": cand_eff if cand_eff is not None else cand_v})
     ref_changes = ref_eff is not None and ref_eff > EFFECT_THRESHOLD
     cand_changes = cand_eff is not None and cand_eff > EFFECT_THRESHOLD
     finding = None
     if ref_eff is None or cand_eff is None:
-        who = " and ".join(n for n, eff in (("speculators", ref_eff), ("SGLang", cand_eff)) if eff is None)
+        who = " and ".join(n for n, eff in ((training, ref_eff), (serving, cand_eff)) if eff is None)
         row["verdict"] = f"variant rejected by {who}"
         if ref_eff is not None and ref_eff > EFFECT_THRESHOLD and cand_eff is None:
             finding = Finding(CHECK, rule.cause, Severity.INFO,
-                              f"{path}={new!r} is accepted by speculators but refused by SGLang: {cand_v}")
+                              f"{path}={new!r} is accepted by {training} but refused by {serving}: {cand_v}")
     elif ref_changes and cand_changes:
         row["verdict"] = "honored by both"
     elif not ref_changes and not cand_changes:
         row["verdict"] = "inert in both" + (f" ({rule.why})" if rule.why else "")
     elif cand_changes:
-        row["verdict"] = "changes SGLang only"
+        row["verdict"] = f"changes {serving} only"
         finding = Finding(CHECK, rule.cause, Severity.ERROR,
-                          f"{path} changes SGLang's forward but not speculators'", {"sglang_effect": cand_eff})
+                          f"{path} changes {serving}'s forward but not {training}'s", {"serving_effect": cand_eff})
     else:
-        row["verdict"] = "ignored by SGLang"
+        row["verdict"] = f"ignored by {serving}"
         finding = _ignored_finding(path, value, rule, base, base_ref, root, i, e)
     return row, finding
 
 
 def _ignored_finding(path, value, rule: FieldRule, base: Checkpoint, base_ref: EngineRun, root: Path, i: int, e: _Engines) -> Finding:
-    """Measure what the ignored field does at this checkpoint's value: speculators(actual) vs speculators(neutral)."""
+    """Measure what the ignored field does at this checkpoint's value: training's forward at it against
+    training's forward at the neutral value."""
     if rule.neutral is None and path.endswith(("sliding_window", "layer_types", "use_sliding_window")):
         edits = [("transformer_layer_config.layer_types", ["full_attention"] * base.spec.num_hidden_layers),
                  ("transformer_layer_config.sliding_window", None)]
@@ -301,15 +303,16 @@ def _ignored_finding(path, value, rule: FieldRule, base: Checkpoint, base_ref: E
         measured = {"neutral_value": rule.neutral, "logits_rel_diff": 0.0, "draft_token_agreement": 1.0}
     if measured and value == rule.neutral:
         return Finding(CHECK, rule.cause, Severity.BENIGN,
-                       f"SGLang ignores {path}={value!r}; benign here: this checkpoint's value is the neutral one", measured)
+                       f"{e.candidate.name} ignores {path}={value!r}; benign here: this checkpoint's value is the neutral "
+                       "one", measured)
     if measured and measured.get("logits_rel_max", 0.0) <= EFFECT_THRESHOLD:
         return _not_exercised(path, value, rule, base, e, measured)
     if measured:
-        # What SGLang computes is speculators' forward at the neutral value: drafting the chain
-        # that way in speculators costs the cause alone (difftest/repairs.py).
+        # What the serving engine computes is training's forward at the neutral value: drafting
+        # the chain that way in the training engine costs the cause alone (difftest/repairs.py).
         measured["undo"] = {"repair": "config_as_served", "engine": "reference", "args": {"edits": edits}}
     return Finding(CHECK, rule.cause, Severity.ERROR,
-                   f"SGLang ignores {path}={value!r}, which changes speculators' forward" +
+                   f"{e.candidate.name} ignores {path}={value!r}, which changes {e.reference.name}'s forward" +
                    (f" (vs {rule.neutral!r}: draft-token agreement {measured['draft_token_agreement']:.3f}, "
                     f"logits rel_diff {measured['logits_rel_diff']:.3g})" if measured else ""), measured)
 
@@ -327,5 +330,5 @@ def _not_exercised(path, value, rule: FieldRule, base: Checkpoint, e: _Engines, 
     else:
         why = (f"at this checkpoint's value it changes nothing on these {e.states.num_tokens} tokens (longest row "
                f"{longest}), so whether it matters cannot be told from them")
-    return Finding(CHECK, rule.cause, Severity.NOT_EXERCISED, f"SGLang ignores {path}={value!r}; not exercised here: {why}",
-                   measured)
+    return Finding(CHECK, rule.cause, Severity.NOT_EXERCISED,
+                   f"{e.candidate.name} ignores {path}={value!r}; not exercised here: {why}", measured)

@@ -1,0 +1,17 @@
+"""The engines difftest runs, by name. Each is one adapter behind `engines/base.py`; an engine
+in a venv of its own is reached through `engines/venv_bridge.py`."""
+
+from __future__ import annotations
+
+import importlib
+
+TRAINING_ENGINES = {"speculators": "difftest.engines.speculators_engine:SpeculatorsAdapter"}
+SERVING_ENGINES = {"sglang": "difftest.engines.sglang_engine.adapter:SGLangAdapter",
+                   "vllm": "difftest.engines.vllm_engine.adapter:VLLMAdapter"}
+
+
+def adapter(name: str):
+    """A fresh adapter for the engine called `name` (imported only when asked for)."""
+    path = {**TRAINING_ENGINES, **SERVING_ENGINES}[name]
+    module, cls = path.split(":")
+    return getattr(importlib.import_module(module), cls)()

@@ -22,6 +22,19 @@ from difftest.target import TargetWeights
 DROP = "<dropped>"  # a config_edits value: remove the field
 
 
+def apply_config_edit(cfg: dict, path: str, value) -> None:
+    """One ServingSetup.config_edits entry applied to a config dict: a dotted field, set to
+    value (parents created as needed) or removed when value is DROP."""
+    node = cfg
+    *parents, leaf = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    if value is DROP:
+        node.pop(leaf, None)
+    else:
+        node[leaf] = value
+
+
 @dataclass(frozen=True)
 class Deployment:
     """What the user actually serves: a draft directory and the serving engine's launch

@@ -36,6 +36,19 @@ def load_baseline(path: str | Path) -> dict:
 
 
 def regressions(new: dict, old: dict, factor: float) -> list[str]:
+    """What got worse, engine by engine: each serving engine's comparison against the baseline's
+    comparison with the same engine (a report of one engine or a set, either side)."""
+    from difftest.report.build import comparisons
+
+    new_by_engine, old_by_engine = comparisons(new), comparisons(old)
+    if "comparisons" not in new and "comparisons" not in old:
+        return _regressions(new, old, factor)
+    # An engine the baseline did not run has nothing to regress against.
+    return [f"{name}: {line}" for name in new_by_engine if name in old_by_engine
+            for line in _regressions(new_by_engine[name], old_by_engine[name], factor)]
+
+
+def _regressions(new: dict, old: dict, factor: float) -> list[str]:
     out: list[str] = []
     if old["verdict"] == "PARITY" and new["verdict"] != "PARITY":
         out.append(f"verdict went from PARITY to {new['verdict']}")

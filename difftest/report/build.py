@@ -34,14 +34,43 @@ def verdict_of(result: RunResult) -> str:
     return "PARITY" if result.diagnosis is None else "DIVERGED"
 
 
+def comparisons(report: dict) -> dict[str, dict]:
+    """Each serving engine's comparison with training, by engine name, whatever the report's
+    shape: one comparison, or a set of them."""
+    if "comparisons" in report:
+        return report["comparisons"]
+    return {report["engines"]["candidate"]["name"]: report}
+
+
+def build_set_report(reports: dict[str, dict], command: list[str] | None = None) -> dict:
+    """Training compared with several serving engines: each comparison whole, under its engine's
+    name; the verdict is PARITY only if every one is."""
+    verdict = "PARITY" if all(r["verdict"] == "PARITY" for r in reports.values()) else "DIVERGED"
+    return {"schema_version": SCHEMA_VERSION, "verdict": verdict, "serving_engines": list(reports),
+            "comparisons": reports, "command": command or []}
+
+
 def verdict_line(report: dict) -> str:
     """One line: the verdict, the cause that costs the most acceptance where it was found, and
     each other cause at its own place with its cost (a probe is never paired with a cause
-    found elsewhere)."""
-    diag = report.get("diagnosis")
+    found elsewhere). For a set: every engine's accept length first, then each engine's causes."""
+    if "comparisons" in report:
+        lead = set_acceptance_lead(report)
+        per_engine = "; ".join(f"{name}: {causes_text(rep) or rep['verdict']}"
+                               for name, rep in report["comparisons"].items())
+        return f"{report['verdict']}: {lead}{per_engine}"
     lead = acceptance_lead(report)
-    if not diag:
+    causes = causes_text(report)
+    if not causes:
         return f"{report['verdict']}: {lead.rstrip('; ')}" if lead else report["verdict"]
+    return f"{report['verdict']}: {lead}{causes}"
+
+
+def causes_text(report: dict) -> str:
+    """The causes of one comparison, most costly first, each where it was found ('' at parity)."""
+    diag = report.get("diagnosis")
+    if not diag:
+        return ""
     first = report.get("first_divergence")
     ranked = diag.get("ranked") or [{"cause": diag["cause"], "found_at": diag.get("found_at"), "side": "serving",
                                      "cost_accept_length": None}]
@@ -67,8 +96,7 @@ def verdict_line(report: dict) -> str:
         return f", costs {c:+.2f} accept length"
 
     head, rest = ranked[0], ranked[1:]
-    return (f"{report['verdict']}: {lead}{where(head)}{cost(head)}"
-            + "".join(f"; also {where(e)}{cost(e)}" for e in rest))
+    return f"{where(head)}{cost(head)}" + "".join(f"; also {where(e)}{cost(e)}" for e in rest)
 
 
 def acceptance_lead(report: dict) -> str:
@@ -87,6 +115,29 @@ def acceptance_lead(report: dict) -> str:
         if known:
             lead += f", training {expected:.2f}"
     return lead + "; "
+
+
+def set_acceptance_lead(report: dict) -> str:
+    """Every serving engine's predicted accept length, then training's engine and training's own,
+    from the comparisons that scored rows ('' when none did)."""
+    from difftest.audit.shortfall import expected_accept_length
+
+    scored = {name: rep["acceptance"] for name, rep in report["comparisons"].items()
+              if rep.get("acceptance") and rep["acceptance"]["reference"]["scored_rows"]}
+    if not scored:
+        return ""
+    parts = [f"{acc['candidate']['engine']} {acc['candidate']['mean_accept_length']:.2f}" for acc in scored.values()]
+    refs = {(acc["reference"]["engine"], acc["reference"]["steps"]): acc["reference"]["mean_accept_length"]
+            for acc in scored.values()}
+    several = len({steps for _, steps in refs}) > 1
+    parts += [f"{engine} {value:.2f}" + (f" ({steps} steps)" if several else "")
+              for (engine, steps), value in refs.items()]
+    first = next(iter(scored.values()))
+    if first.get("training"):
+        expected, known = expected_accept_length(first["training"], first["reference"]["steps"])
+        if known:
+            parts.append(f"training {expected:.2f}")
+    return "accept length " + ", ".join(parts) + "; "
 
 
 def build_report(result: RunResult, command: list[str] | None = None, extra: dict | None = None) -> dict:
@@ -238,19 +289,22 @@ def render_markdown(report: dict) -> str:
         lines += [f"| {r['field']} | `{r['training']}` | `{r['serving']}` | {'yes' if r['carried'] else '**no**'} |"
                   for r in audit["conversion"]]
         lines.append("")
+    training, serving = report["engines"]["reference"]["name"], report["engines"]["candidate"]["name"]
     if audit.get("config"):
-        lines += ["## Config fields: does SGLang honor them? (measured)", ""]
+        lines += [f"## Config fields: does {serving} honor them? (measured)", ""]
         shared = shared_config_verdict(audit["config"])
         if shared:
             # One shared reason: said once, not once per field.
             lines += [f"All {len(audit['config'])} fields {shared}.", ""]
         else:
-            lines += ["| field | value | verdict | speculators effect | sglang effect |", "|---|---|---|---|---|"]
+            lines += [f"| field | value | verdict | {training} effect | {serving} effect |", "|---|---|---|---|---|"]
             for r in audit["config"]:
-                lines.append(f"| {r['field']} | `{r['value']}` | {r['verdict']} | {_fmt(r.get('speculators_effect', ''))} | {_fmt(r.get('sglang_effect', ''))} |")
+                lines.append(f"| {r['field']} | `{r['value']}` | {r['verdict']} | {_fmt(r.get('training_effect', ''))} | "
+                             f"{_fmt(r.get('serving_effect', ''))} |")
             lines.append("")
     if audit.get("ledgers"):
-        lines += ["## Load ledger (checkpoint tensor -> fate per engine)", "", "| tensor | speculators | sglang |", "|---|---|---|"]
+        lines += ["## Load ledger (checkpoint tensor -> fate per engine)", "", f"| tensor | {training} | {serving} |",
+                  "|---|---|---|"]
         ref_t, cand_t = audit["ledgers"]["reference"]["tensors"], audit["ledgers"]["candidate"]["tensors"]
         for name in sorted(set(ref_t) | set(cand_t)):
             cell = lambda t: (f"{t['fate']} -> {', '.join(t['into'])}" if t.get("into") else t["fate"]) if t else "-"
@@ -274,13 +328,13 @@ def render_markdown(report: dict) -> str:
     env = report["environment"]
     ref_details = report["engines"]["reference"]["details"]
     lines += ["## Environment", "", f"- device {env['device']}, dtype {env['dtype']}, python {env['python']}",
-              f"- attention: speculators `{ref_details.get('attn_implementation', '?')}`, "
-              f"SGLang `{cand.get('attention_backend', '?')}`"]
+              f"- attention: {training} `{ref_details.get('attn_implementation', '?')}`, "
+              f"{serving} `{cand.get('attention_backend', '?')}`"]
     lines += [f"- {k} {v}" for k, v in env["packages"].items()]
     ref_t, cand_t = report["engines"]["reference"]["timings_s"], report["engines"]["candidate"]["timings_s"]
     lines += ["", "## Timings (s)", "", "| engine | import | load | forward |", "|---|---|---|---|",
-              f"| speculators | {_fmt(ref_t.get('import', 0))} | {_fmt(ref_t.get('load', 0))} | {_fmt(ref_t.get('forward', 0))} |",
-              f"| sglang | {_fmt(cand_t.get('import', 0))} | {_fmt(cand_t.get('load', 0))} | {_fmt(cand_t.get('forward', 0))} |", ""]
+              f"| {training} | {_fmt(ref_t.get('import', 0))} | {_fmt(ref_t.get('load', 0))} | {_fmt(ref_t.get('forward', 0))} |",
+              f"| {serving} | {_fmt(cand_t.get('import', 0))} | {_fmt(cand_t.get('load', 0))} | {_fmt(cand_t.get('forward', 0))} |", ""]
     if report.get("baseline"):
         b = report["baseline"]
         lines += ["## Baseline", "", f"Against `{b['path']}` (factor {b['factor']}): "
@@ -291,24 +345,59 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-NO_DEPLOYMENT = ("No deployment was given (--serve with --launch): SGLang served the directory `difftest convert` "
-                 "writes for this checkpoint, launched as the command it prints, at this run's dtype.")
+def render_set_markdown(report: dict) -> str:
+    """The set's verdict and one row per serving engine, then each comparison in full under its
+    engine's name (its headings one level down)."""
+    lines = [f"# difftest report: {report['verdict']}", "", f"**{verdict_line(report)}**", "",
+             "| serving engine | verdict | predicted accept length | first divergence | root cause | its cost |",
+             "|---|---|---|---|---|---|"]
+    for name, rep in report["comparisons"].items():
+        acc = rep.get("acceptance") or {}
+        length = (f"{acc['candidate']['mean_accept_length']:.3f} ({acc['reference']['engine']} "
+                  f"{acc['reference']['mean_accept_length']:.3f})" if acc.get("candidate") else "not simulated")
+        first = (rep.get("first_divergence") or {}).get("probe") or "-"
+        diag = rep.get("diagnosis") or {}
+        head = (diag.get("ranked") or [{}])[0]
+        cost = head.get("cost_accept_length")
+        cost_text = ("-" if not diag else "not measured" if cost is None else
+                     "nothing measurable" if head.get("within_tolerance") else f"{cost:+.3f}")
+        lines.append(f"| [{name}](#{name}) | {rep['verdict']} | {length} | {first} | "
+                     f"{'`' + diag['cause'] + '`' if diag else '-'} | {cost_text} |")
+    lines.append("")
+    for name, rep in report["comparisons"].items():
+        body = render_markdown(rep).splitlines()
+        body[0] = f"# {name}: {rep['verdict']} <a id='{name}'></a>"
+        if "## Reproduce" in body:  # one command made the whole set: it is given once, at the end
+            body = body[:body.index("## Reproduce")]
+        lines += [("#" + line if line.startswith("#") else line) for line in body]
+        lines.append("")
+    if report.get("command"):
+        lines += ["## Reproduce", "", "```", shlex.join(report["command"]), "```", ""]
+    return "\n".join(lines)
+
+
+def no_deployment(report: dict) -> str:
+    """What was served when the user named no deployment: the serving adapter says."""
+    cand = report["engines"]["candidate"]
+    served_as = cand["details"].get("served_as", "what difftest makes of this checkpoint")
+    return f"No deployment was given (--serve with --launch): {cand['name']} served {served_as}, at this run's dtype."
 
 
 def _deployment_markdown(report: dict) -> list[str]:
     dep = report.get("deployment")
+    serving = report["engines"]["candidate"]["name"]
     if not dep:
-        return ["## Deployment", "", NO_DEPLOYMENT, ""]
+        return ["## Deployment", "", no_deployment(report), ""]
 
     lines = ["## Deployment: trained vs served", "", f"Served directory `{dep['served_dir']}`, launched as:", "",
              "```", shlex.join(dep["launch_argv"]), "```", ""]
     if dep.get("refused"):
-        return lines + [f"**SGLang refuses this directory** before loading any weight: {dep['refused']}", ""]
+        return lines + [f"**{serving} refuses this directory** before loading any weight: {dep['refused']}", ""]
     lines += ["| launch setting | value | what it changes in the draft | simulated here |", "|---|---|---|---|"]
     lines += [f"| `{r['flag']}` | `{r['value']}`{'' if r['given'] else ' (default)'} | {r['effect']} | {r['how_run']} |"
               for r in dep["launch"]]
     lines += [""] + [f"- {n}" for n in dep["plan"].get("notes") or []]
-    lines += ["", "| training tensor | served tensor | status | SGLang parameter |", "|---|---|---|---|"]
+    lines += ["", f"| training tensor | served tensor | status | {serving} parameter |", "|---|---|---|---|"]
     lines += [f"| {r['training'] or '-'} | {r['served'] or '-'} | {r['status']} | {', '.join(r['into']) or '-'} |"
               for r in dep["tensors"]]
     changed = [r for r in dep["config"] if r["status"] != "carried"]
@@ -381,9 +470,14 @@ def write_reports(report: dict, out_dir: str | Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     from difftest.report.html import render_html
 
+    from difftest.report.html import render_set_html
+
+    is_set = "comparisons" in report
     paths = {"json": out / "report.json", "md": out / "report.md", "html": out / "report.html"}
     # Render everything before writing anything: a failure leaves the old reports whole.
-    texts = {"json": json.dumps(report, indent=2) + "\n", "md": render_markdown(report), "html": render_html(report)}
+    texts = {"json": json.dumps(report, indent=2) + "\n",
+             "md": render_set_markdown(report) if is_set else render_markdown(report),
+             "html": render_set_html(report) if is_set else render_html(report)}
     for key, path in paths.items():
         atomic_write(path, texts[key])
     return paths

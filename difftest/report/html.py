@@ -133,7 +133,7 @@ def acceptance_plot_png(acc: dict) -> bytes:
     return buf.getvalue()
 
 
-def _acceptance_html(report: dict) -> list[str]:
+def _acceptance_html(report: dict, anchor: str = "") -> list[str]:
     parts = []
     acc = report.get("acceptance")
     if acc:
@@ -147,7 +147,7 @@ def _acceptance_html(report: dict) -> list[str]:
                         [f"reach {train[f'full_acc_{j}']:.3f}" if f"full_acc_{j}" in train else "-" for j in range(k)])
         png = base64.b64encode(acceptance_plot_png(acc)).decode()
         verdict = "agree" if acc["agree"] else "DISAGREE"
-        parts.append(f"<h2 id='acceptance'>Predicted acceptance (chain draft, greedy verification)</h2>"
+        parts.append(f"<h2 id='{anchor}acceptance'>Predicted acceptance (chain draft, greedy verification)</h2>"
                      f"<p>{acc['reference']['scored_rows']} rows scored against the target's greedy continuation "
                      f"({_e(acc['continuation_source'])}). Engines <b>{verdict}</b>: gap {acc['accept_length_gap']:+.3f}, "
                      f"tolerance ±{acc['tolerance_accept_length']}.</p>"
@@ -159,32 +159,79 @@ def _acceptance_html(report: dict) -> list[str]:
         rows = [[_e(c["side"]), c["chunk"], f"hidden_states[{c['nearest_hf_layer']}]" + ("" if c["matches"] else " (closest; no match)"),
                  _fmt(c["vs_nearest"]["rel_max"]), _fmt(c["vs_training"]["rel_max"]) if c.get("vs_training") else "-"]
                 for c in tc["chunks"]]
-        parts.append(f"<h2 id='target-capture'>Target capture parity (measured)</h2>"
+        parts.append(f"<h2 id='{anchor}target-capture'>Target capture parity (measured)</h2>"
                      f"<p>{_e(tc['serving_engine'])}: {_e(tc['serving_description'])}. Training chunks: "
                      f"hidden_states{_e(tc['training_hf_ids'])}; serving chunks: {_e(tc['serving_hf_ids'])}.</p>"
                      + _table(["side", "chunk", "target layer it equals", "rel_max vs it", "vs training chunk (rel_max)"], rows))
     return parts
 
 
-def render_html(report: dict) -> str:
+def _page(verdict: str, inner: list[str]) -> str:
+    return "\n".join([f"<!doctype html><html><head><meta charset='utf-8'><title>difftest: {_e(verdict)}</title>"
+                      f"<style>{CSS}</style></head><body>", *inner, "</body></html>"])
+
+
+def _banner(report: dict, sub: str, anchor: str) -> str:
     verdict = report["verdict"]
-    diag = report.get("diagnosis")
-    first = report.get("first_divergence")
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>difftest: {_e(verdict)}</title>"
-             f"<style>{CSS}</style></head><body>"]
+    # The banner's weight follows the cost: a headline that costs nothing measurable is a
+    # difference to read, not a collapse.
+    heads = [(rep.get("diagnosis") or {}).get("ranked") or [{}] for rep in _comparisons(report).values()
+             if rep.get("diagnosis")]
+    weight = " free" if heads and all(h[0].get("within_tolerance") for h in heads) else ""
+    return f"<div class='banner {_e(verdict)}{weight}' id='{anchor}'>{_e(verdict)}<small>{_e(sub)}</small></div>"
+
+
+def _comparisons(report: dict) -> dict[str, dict]:
+    from difftest.report.build import comparisons
+
+    return comparisons(report)
+
+
+def render_html(report: dict) -> str:
     from difftest.report.build import acceptance_lead, verdict_line
 
-    weight = ""
-    if diag:
+    if report.get("diagnosis"):
         sub = verdict_line(report).split(": ", 1)[-1]
-        # The banner's weight follows the cost: a headline that costs nothing measurable is a
-        # difference to read, not a collapse.
-        if (diag.get("ranked") or [{}])[0].get("within_tolerance"):
-            weight = " free"
     else:
         sub = (acceptance_lead(report) + f"every probe agrees within the {report['tolerance']['dtype']} tolerance; "
                "no audit errors")
-    parts.append(f"<div class='banner {_e(verdict)}{weight}' id='verdict'>{_e(verdict)}<small>{_e(sub)}</small></div><main>")
+    parts = [_banner(report, sub, "verdict"), "<main>", *_comparison_html(report, ""), "</main>"]
+    if report.get("command"):
+        parts.insert(-1, f"<h2>Reproduce</h2><pre id='command'>{_e(shlex.join(report['command']))}</pre>")
+    return _page(report["verdict"], parts)
+
+
+def render_set_html(report: dict) -> str:
+    """The set's banner and one row per serving engine, then each comparison whole, under its
+    engine's name (ids prefixed with it, so each section's anchors stay its own)."""
+    from difftest.report.build import causes_text, verdict_line
+
+    rows = []
+    for name, rep in report["comparisons"].items():
+        acc = rep.get("acceptance") or {}
+        rows.append([f"<a href='#{_e(name)}'>{_e(name)}</a>", _e(rep["verdict"]),
+                     f"{acc['candidate']['mean_accept_length']:.3f}" if acc.get("candidate") else "not simulated",
+                     _e((rep.get("first_divergence") or {}).get("probe") or "-"), _e(causes_text(rep) or "-")])
+    parts = [_banner(report, verdict_line(report).split(": ", 1)[-1], "verdict"), "<main>",
+             "<h2>Serving engines</h2>" + _table(["serving engine", "verdict", "predicted accept length",
+                                                 "first divergence", "causes"], rows,
+                                                cell_classes=lambda i, j, c: "pass" if j == 1 and c == "PARITY" else
+                                                ("fail" if j == 1 else ""))]
+    for name, rep in report["comparisons"].items():
+        sub = causes_text(rep) or "every probe agrees; no audit errors"
+        parts += [f"<section id='{_e(name)}'><h1>{_e(name)}</h1>", _banner(rep, sub, f"{name}-verdict"),
+                  *_comparison_html(rep, f"{name}-"), "</section>"]
+    if report.get("command"):
+        parts.append(f"<h2>Reproduce</h2><pre id='command'>{_e(shlex.join(report['command']))}</pre>")
+    parts.append("</main>")
+    return _page(report["verdict"], parts)
+
+
+def _comparison_html(report: dict, anchor: str) -> list[str]:
+    """One comparison's body: diagnosis, probes, acceptance, audit, deployment, ledger."""
+    diag = report.get("diagnosis")
+    first = report.get("first_divergence")
+    parts: list[str] = []
     if diag:
         parts.append(f"<div class='diag'><b>Root cause: <code>{_e(diag['cause'])}</code></b><p>{_e(diag['explanation'])}</p>")
         if diag.get("evidence"):
@@ -220,7 +267,7 @@ def render_html(report: dict) -> str:
     parts.append(f"<p>Tolerance ({_e(tol['dtype'])}): rel_max {tol['rel_max']}, rel_diff {tol['rel_diff']}, "
                  f"token near-tie margin {tol['near_tie_margin']}.</p>")
 
-    parts += _acceptance_html(report)
+    parts += _acceptance_html(report, anchor)
 
     audit = report.get("audit") or {}
     if audit.get("findings"):
@@ -230,20 +277,21 @@ def render_html(report: dict) -> str:
               _e(json.dumps(f.get("measured") or {}, default=str)[:300])] for f in audit["findings"]],
             cell_classes=lambda i, j, c: audit["findings"][i]["severity"] if j == 1 else ""))
     dep = report.get("deployment")
+    training, serving = report["engines"]["reference"]["name"], report["engines"]["candidate"]["name"]
     if not dep:
-        from difftest.report.build import NO_DEPLOYMENT
+        from difftest.report.build import no_deployment
 
-        parts.append(f"<h2 id='deployment'>Deployment</h2><p>{_e(NO_DEPLOYMENT)}</p>")
+        parts.append(f"<h2 id='{anchor}deployment'>Deployment</h2><p>{_e(no_deployment(report))}</p>")
     else:
-        parts.append("<h2 id='deployment'>Deployment: trained vs served</h2>"
+        parts.append(f"<h2 id='{anchor}deployment'>Deployment: trained vs served</h2>"
                      f"<p>Served directory <code>{_e(dep['served_dir'])}</code>, launched as:</p>"
                      f"<pre>{_e(shlex.join(dep['launch_argv']))}</pre>" + (
-                         f"<p><b>SGLang refuses this directory</b> before loading any weight: {_e(dep['refused'])}</p>"
+                         f"<p><b>{_e(serving)} refuses this directory</b> before loading any weight: {_e(dep['refused'])}</p>"
                          if dep.get("refused") else "") + _table(
                          ["launch setting", "value", "what it changes in the draft", "simulated here"],
                          [[f"<code>{_e(r['flag'])}</code>", _e(r["value"]) + ("" if r["given"] else " (default)"),
                            _e(r["effect"]), _e(r["how_run"])] for r in dep["launch"]]))
-        parts.append(_table(["training tensor", "served tensor", "status", "SGLang parameter"],
+        parts.append(_table(["training tensor", "served tensor", "status", f"{serving} parameter"],
                             [[_e(r["training"] or "-"), _e(r["served"] or "-"), _e(r["status"]), _e(", ".join(r["into"]) or "-")]
                              for r in dep["tensors"]]))
         changed = [r for r in dep["config"] if r["status"] != "carried"]
@@ -267,11 +315,11 @@ def render_html(report: dict) -> str:
               "yes" if r["carried"] else "<b>no</b>"] for r in audit["conversion"]]))
     if audit.get("config"):
         shared = shared_config_verdict(audit["config"])
-        parts.append("<h2>Config fields: does SGLang honor them? (measured)</h2>" + (
+        parts.append(f"<h2>Config fields: does {_e(serving)} honor them? (measured)</h2>" + (
             f"<p>All {len(audit['config'])} fields {_e(shared)}.</p>" if shared else _table(
-                ["field", "value", "verdict", "speculators effect", "sglang effect"],
+                ["field", "value", "verdict", f"{training} effect", f"{serving} effect"],
                 [[_e(r["field"]), f"<code>{_e(r['value'])}</code>", _e(r["verdict"]),
-                  _fmt(r.get("speculators_effect", "")), _fmt(r.get("sglang_effect", ""))] for r in audit["config"]])))
+                  _fmt(r.get("training_effect", "")), _fmt(r.get("serving_effect", ""))] for r in audit["config"]])))
     ledgers = audit.get("ledgers")
     if ledgers:
         ref_t, cand_t = ledgers["reference"]["tensors"], ledgers["candidate"]["tensors"]
@@ -280,7 +328,7 @@ def render_html(report: dict) -> str:
             return "-" if not t else _e(f"{t['fate']} → {', '.join(t['into'])}" if t.get("into") else t["fate"])
 
         parts.append("<h2>Load ledger</h2>" + _table(
-            ["checkpoint tensor", "speculators", "sglang"],
+            ["checkpoint tensor", training, serving],
             [[f"<code>{_e(n)}</code>", cell(ref_t.get(n)), cell(cand_t.get(n))] for n in sorted(set(ref_t) | set(cand_t))],
             cell_classes=lambda i, j, c: "error" if j and "dropped" in c else ""))
         absent = absent_params(report)
@@ -298,7 +346,4 @@ def render_html(report: dict) -> str:
     env = report["environment"]
     parts.append("<h2>Environment</h2><p>" + _e(", ".join(f"{k} {v}" for k, v in env["packages"].items())) +
                  f", python {_e(env['python'])}</p>")
-    if report.get("command"):
-        parts.append(f"<h2>Reproduce</h2><pre id='command'>{_e(shlex.join(report['command']))}</pre>")
-    parts.append("</main></body></html>")
-    return "\n".join(parts)
+    return parts

@@ -23,7 +23,8 @@ import torch
 
 from difftest.checkpoint import Checkpoint, CheckpointFormat
 from difftest.convert import legacy_config, legacy_name
-from difftest.engines.base import DROP, CapturePlan, ChainRun, EngineRun, TargetCapture, LoadLedger, ParamFate, RunOptions, TensorFate
+from difftest.engines.base import (DROP, CapturePlan, ChainRun, EngineRun, TargetCapture, LoadLedger, ParamFate, RunOptions,
+                                   TensorFate, apply_config_edit)
 from difftest.errors import InputError
 from difftest.engines.hooks import ProbeRecorder
 from difftest.engines.sglang_engine.runtime import ensure_runtime
@@ -109,20 +110,9 @@ def serving_config(checkpoint: Checkpoint, options: RunOptions | None = None) ->
         cfg, notes = conv.config, conv.notes
     if options is not None:
         for path, value in options.serving.config_edits:
-            _edit(cfg, path, value)
+            apply_config_edit(cfg, path, value)
             notes[path] = "serving setup: dropped" if value is DROP else f"serving setup: set to {value!r}"
     return cfg, notes
-
-
-def _edit(cfg: dict, path: str, value) -> None:
-    node = cfg
-    *parents, leaf = path.split(".")
-    for key in parents:
-        node = node.setdefault(key, {})
-    if value is DROP:
-        node.pop(leaf, None)
-    else:
-        node[leaf] = value
 
 
 def write_served_copy(checkpoint: Checkpoint, out: "Path", options: RunOptions) -> dict[str, str]:
@@ -324,6 +314,8 @@ class SGLangAdapter:
             model, ledger, details = self._build_deployed(
                 target, replace(options, serving=replace(options.serving, deployment=deployment)))
         details["conversion_notes"] = conversion_notes
+        details["served_as"] = ("the directory `difftest convert` writes for this checkpoint, launched as the command "
+                                "it prints")
         # transformers records where it read the config: a scratch directory gone after this
         # call, and another one on every run. Name what it was instead.
         details["served_config"] = {**details["served_config"], "_name_or_path": "difftest convert's copy (scratch)"}

