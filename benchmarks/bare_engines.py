@@ -11,6 +11,7 @@ own KV pools; difftest's runtime and batch helpers are those minimum pieces, reu
 both sides pay the same for them.
 
     python benchmarks/bare_engines.py SPECULATORS_DIR LEGACY_DIR TARGET_DIR STATES [--dtype bf16] [--device cpu]
+        [--serving sglang,vllm]
 Prints one JSON line: seconds per engine and phase.
 """
 
@@ -79,6 +80,27 @@ def sglang_bare(ckpt: str, target: str, states, dtype, device: str) -> dict:
     return {"import": t1 - t0, "load": t2 - t1, "forward": t3 - t2}
 
 
+def vllm_bare(ckpt: str, target: str, states_path: str, dtype) -> dict:
+    """vLLM in its own venv, as the report's worker runs it: a process of its own, whose wall
+    time (its Python start included) is what the report waits for."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from difftest.engines.vllm_engine.adapter import DTYPE_NAMES, worker_python
+
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": str(here.parent)}
+    t0 = time.perf_counter()
+    proc = subprocess.run([str(worker_python()), str(here / "bare_vllm.py"), str(Path(ckpt).resolve()),
+                           str(Path(target).resolve()), str(Path(states_path).resolve()), DTYPE_NAMES[dtype]],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise SystemExit(f"bare_vllm.py failed:\n{proc.stderr[-2000:]}")
+    phases = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {**phases, "process": time.perf_counter() - t0}
+
+
 def main() -> None:
     t_start = time.perf_counter()
     ap = argparse.ArgumentParser()
@@ -88,6 +110,7 @@ def main() -> None:
     ap.add_argument("states")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--serving", default="sglang", help="serving engines to time beside speculators: sglang,vllm")
     args = ap.parse_args()
     from difftest.cli import quiet_engines
 
@@ -102,8 +125,12 @@ def main() -> None:
         dtype = load_checkpoint(args.speculators).stored_dtype()
     else:
         dtype = DTYPES[args.dtype]
-    out = {"speculators": speculators_bare(args.speculators, args.target, states, dtype, args.device),
-           "sglang": sglang_bare(args.legacy, args.target, states, dtype, args.device)}
+    serving = args.serving.split(",")
+    out = {"speculators": speculators_bare(args.speculators, args.target, states, dtype, args.device)}
+    if "sglang" in serving:
+        out["sglang"] = sglang_bare(args.legacy, args.target, states, dtype, args.device)
+    if "vllm" in serving:  # vLLM reads the speculators-format draft itself
+        out["vllm"] = vllm_bare(args.speculators, args.target, args.states, dtype)
     out["process_s"] = time.perf_counter() - t_start
     print(json.dumps(out))
 

@@ -1,12 +1,14 @@
 """Verdict time against the bare engines, measured in the same run (ratios; these machines
 are noisy, so each side runs --repeat times, interleaved, and medians are compared).
 
-bare     benchmarks/bare_engines.py: each engine's own import + load + one forward, nothing else
-verdict  `difftest report CKPT --no-audit-config --chain-steps 0 --no-target-capture`: the verdict,
-         first divergence and diagnosis (both engines, probes, ledgers, vocab/capture/conversion
-         audit, and the fp32 noise-floor run when the draft is stored in low precision)
-full     `difftest report CKPT`: the verdict plus the config audit, measured target capture and
-         predicted acceptance
+bare E     benchmarks/bare_engines.py --serving E: speculators' and serving engine E's own import +
+           load + one forward, nothing else (vLLM in its own venv, a process of its own)
+verdict E  `difftest report CKPT --serving E --no-audit-config --chain-steps 0 --no-target-capture`: the
+           verdict, first divergence and diagnosis against E (both engines, probes, ledgers,
+           vocab/capture/conversion audit, and the fp32 noise-floor run when the draft is stored in
+           low precision)
+full       `difftest report CKPT` against every serving engine: the verdicts plus the config audit,
+           measured target capture and predicted acceptance, against the bare runs of all engines
 Each is a fresh process, so each pays Python and torch start-up alike. Goals (#31): verdict / bare
 <= 1.15, full / bare <= 1.5. The full report's phases (from its plain progress lines) show where
 its time goes.
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+SERVING = ("sglang", "vllm")
 
 
 def timed(cmd: list[str]) -> tuple[float, dict[str, float]]:
@@ -65,13 +68,17 @@ def main() -> None:
     fx = default_fixture(progress=False)
     ckpt = [str(fx.checkpoint), "--target", str(fx.target), "--states", str(fx.states), "--out"]
     difftest = [sys.executable, "-m", "difftest.cli", "report"]
-    cmds = {
-        "bare": [sys.executable, str(HERE / "bare_engines.py"), str(fx.checkpoint), str(fx.legacy), str(fx.target), str(fx.states),
-                 "--dtype", "auto"],
-        "verdict": difftest + ckpt + ["/tmp/difftest-bench-verdict", "--no-audit-config", "--chain-steps", "0", "--no-target-capture"],
-    }
+    bare = [sys.executable, str(HERE / "bare_engines.py"), str(fx.checkpoint), str(fx.legacy), str(fx.target),
+            str(fx.states), "--dtype", "auto", "--serving"]
+    verdict = ["--no-audit-config", "--chain-steps", "0", "--no-target-capture"]
+    # Per serving engine: training's and that engine's bare runs, against a report on that engine alone.
+    cmds = {}
+    for engine in SERVING:
+        cmds[f"bare {engine}"] = bare + [engine]
+        cmds[f"verdict {engine}"] = difftest + ckpt + [f"/tmp/difftest-bench-verdict-{engine}", "--serving", engine] + verdict
     if args.full:
-        cmds["full"] = difftest + ckpt + ["/tmp/difftest-bench-full"]
+        cmds["bare all"] = bare + [",".join(SERVING)]
+        cmds["full"] = difftest + ckpt + ["/tmp/difftest-bench-full", "--serving", ",".join(SERVING)]
     seconds: dict[str, list[float]] = {k: [] for k in cmds}
     phases: dict[str, list[dict[str, float]]] = {k: [] for k in cmds}
     for _ in range(args.repeat):
@@ -81,9 +88,10 @@ def main() -> None:
             phases[name].append(phase)
     med = {k: statistics.median(v) for k, v in seconds.items()}
     out = {"fixture": str(fx.checkpoint), "repeat": args.repeat, "host": host(), "seconds": seconds, "median_s": med,
-           "ratio_verdict_over_bare": med["verdict"] / med["bare"], "goal_verdict": 1.15}
+           "ratio_verdict_over_bare": {e: med[f"verdict {e}"] / med[f"bare {e}"] for e in SERVING},
+           "goal_verdict": 1.15}
     if "full" in med:
-        out["ratio_full_report_over_bare"] = med["full"] / med["bare"]
+        out["ratio_full_report_over_bare"] = med["full"] / med["bare all"]
         out["goal_full"] = 1.5
         names = {k for run in phases["full"] for k in run}
         out["full_report_phases_median_s"] = {k: statistics.median(run.get(k, 0.0) for run in phases["full"])

@@ -128,12 +128,7 @@ def report(
     except InputError as exc:
         fail(str(exc))
 
-    from difftest.engines import SERVING_ENGINES
-
-    engines = list(dict.fromkeys(e.strip() for e in serving_engines.split(",") if e.strip()))
-    unknown = [e for e in engines if e not in SERVING_ENGINES]
-    if unknown or not engines:
-        fail(f"--serving takes serving engines from {', '.join(SERVING_ENGINES)}, comma-separated; got {serving_engines!r}")
+    engines = parse_serving(serving_engines)
     if deployment is not None and "sglang" not in engines:
         fail("--serve/--launch describe an SGLang deployment (vLLM's launch command is not read yet); "
              "add sglang to --serving")
@@ -220,6 +215,16 @@ def report(
                 else:
                     codes.append(EXIT_PARITY if rep["verdict"] == "PARITY" else EXIT_DIVERGED)
     raise typer.Exit(max(codes))
+
+
+def parse_serving(text: str) -> list[str]:
+    """--serving: serving engine names, comma-separated, each once, in the order given."""
+    from difftest.engines import SERVING_ENGINES
+
+    engines = list(dict.fromkeys(e.strip() for e in text.split(",") if e.strip()))
+    if not engines or any(e not in SERVING_ENGINES for e in engines):
+        fail(f"--serving takes serving engines from {', '.join(SERVING_ENGINES)}, comma-separated; got {text!r}")
+    return engines
 
 
 def read_deployment(serve: Path | None, launch: str | None, launch_file: Path | None):
@@ -446,11 +451,14 @@ def selftest(
     dtype: list[str] = typer.Option(["fp32", "bf16"], help="run dtypes (repeatable)"),
     fault: Optional[list[str]] = typer.Option(None, help="only these faults (repeatable; default: the whole catalog)"),
     out: Path = typer.Option(Path("reports/selftest"), help="where selftest.json and selftest.md go"),
+    serving_engines: str = typer.Option("sglang,vllm", "--serving", envvar="DIFFTEST_SERVING",
+                                        help="the serving engines each fault is run against, comma-separated"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="print only the score line"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="show engine logs and tracebacks"),
 ) -> None:
     """Inject every known fault into scratch copies and check each is caught, at the right place, with the right cause."""
     quiet_engines(verbose)
+    engines = parse_serving(serving_engines)
     from difftest.faults import FAULTS_BY_NAME
     from difftest.tolerances import DTYPES
 
@@ -470,21 +478,24 @@ def selftest(
     from difftest.outputs import output_dir
 
     def show(o) -> None:
+        if not o.applies:
+            console.print(f"n/a  {o.serving} {o.fixture} {o.dtype} {o.fault}: {o.why}", highlight=False)
+            return
         mark = "[green]pass[/]" if o.passed else "[red]FAIL[/]"
-        console.print(f"{mark} {o.fixture} {o.dtype} {o.fault}: expected {o.expected_at} / {o.expected_cause}, "
-                      f"found {o.found_at} / {o.found_cause} ({o.seconds:.1f}s)", highlight=False)
+        console.print(f"{mark} {o.serving} {o.fixture} {o.dtype} {o.fault}: expected {o.expected_at} / "
+                      f"{o.expected_cause}, found {o.found_at} / {o.found_cause} ({o.seconds:.1f}s)", highlight=False)
 
     with one_line_errors(verbose):
         with output_dir(out, owned=("selftest.json", "selftest.md")):
-            score = run_selftest(fixture, dtypes=dtype, only=fault, on_outcome=show)
+            score = run_selftest(fixture, dtypes=dtype, only=fault, on_outcome=show, serving=engines)
             paths = write_selftest(score, out)
     if not quiet:
         from difftest.selftest import render_table
 
         Console().print(render_table(score))
-    typer.echo(f"selftest: mutation score {score.caught}/{len(score.faults)} ({score.mutation_score:.0%}), "
-               f"false alarms {score.false_alarms}/{len(score.outcomes) - len(score.faults)} clean runs"
-               + ("" if quiet else f"; wrote {paths['json']} and {paths['md']}"))
+    from difftest.selftest import score_line
+
+    typer.echo(f"selftest: {score_line(score)}" + ("" if quiet else f"; wrote {paths['json']} and {paths['md']}"))
     raise typer.Exit(EXIT_PARITY if score.ok else EXIT_DIVERGED)
 
 
@@ -496,6 +507,8 @@ def fuzz(
     shrink_budget: int = typer.Option(60, help="examples Hypothesis may spend shrinking each distinct divergence"),
     out: Path = typer.Option(Path("reports/fuzz"), help="where fuzz.json goes"),
     save_regressions: bool = typer.Option(False, "--save-regressions", help="write each shrunk divergence to fixtures/regressions/"),
+    serving_engine: str = typer.Option("sglang", "--serving", help="the serving engine the drafted configs run on: "
+                                       "sglang | vllm"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="print only the summary"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="show engine logs and tracebacks"),
 ) -> None:
@@ -505,6 +518,10 @@ def fuzz(
         fail(f"--examples must be at least 1, got {examples}")
     if dtype is not None and dtype not in ("fp32", "bf16"):
         fail(f"--dtype must be fp32 or bf16, got {dtype!r}")
+    serving = parse_serving(serving_engine)
+    if len(serving) != 1:
+        fail(f"--serving for fuzz names one engine (each gets its own run), got {serving_engine!r}")
+    serving = serving[0]
     import json as _json
 
     from difftest import fuzz as fz
@@ -521,10 +538,10 @@ def fuzz(
                 count[0] += 1
                 step(f"{count[0]}/{examples} {o.verdict} {o.cause or ''} {o.first_divergence or ''}".rstrip())
 
-            summary = fz.explore(examples, seed=seed, dtype=dtype, on_outcome=seen)
+            summary = fz.explore(examples, seed=seed, dtype=dtype, on_outcome=seen, serving=serving)
             for sig in sorted({o.signature for o in summary.outcomes if o.verdict == "DIVERGED"}, key=str):
                 step(f"shrinking {sig[1]} at {sig[2]}")
-                minimal = fz.shrink(sig, budget=shrink_budget, seed=seed, dtype=dtype)
+                minimal = fz.shrink(sig, budget=shrink_budget, seed=seed, dtype=dtype, serving=serving)
                 if minimal is not None:
                     summary.minimal[sig] = minimal
     out.mkdir(parents=True, exist_ok=True)

@@ -67,6 +67,13 @@ RULES: tuple[Rule, ...] = (
                       "compared."),
          fix=("Name the tensors as training saved them (speculators' names, or `midlayer.*` in the legacy format): "
               "`difftest convert TRAIN_CKPT OUT` writes them.")),
+    Rule("aux_layer_count_not_read", findings=("aux_layer_count_not_read",),
+         explanation=("vLLM sizes the draft's fc for 3 aux layers unless its config says otherwise in a place its "
+                      "EAGLE-3 model reads (num_aux_hidden_states, or eagle_config's layer ids); a speculators config "
+                      "keeps the draft's own ids elsewhere, so a draft trained on another number of aux layers fails "
+                      "to load: a vLLM server would not start. Nothing was compared."),
+         fix=("vLLM 0.32.0 cannot serve this draft as it is: serve it on SGLang, or train with three aux layers "
+              "(speculators' default).")),
     Rule("speculative_algorithm_not_eagle3", findings=("speculative_algorithm_not_eagle3",),
          explanation=("The launch command serves an EAGLE-3 draft with --speculative-algorithm EAGLE. SGLang then "
                       "resolves no aux hidden-state capture (the draft gets the target's last state, and fc is skipped "
@@ -272,6 +279,12 @@ RULES: tuple[Rule, ...] = (
                       "explanations difftest can test here is supported by the numbers."),
          fix="Give --training-run (the checkpoint saved by training) so the checkpoint can be compared with it, and "
              "check that the states come from the same target and data distribution as training's."),
+    Rule("draft_forward_fails", findings=("draft_forward_fails",),
+         explanation=("The serving engine loads the served draft, and its first draft forward raises (the error is in "
+                      "the evidence): a server started on it fails on the first request it drafts for. Nothing was "
+                      "compared. Any other finding in this report names what in the checkpoint makes it fail."),
+         fix=("Fix what the other findings name first; the error names the tensor or field the engine could not "
+              "compute with.")),
     Rule("decoder_math_divergence",
          probes=("layer0.embed_norm", "layer0.hidden_norm", "layer0.attn_output", "layer0.mlp_output", "layer0.output", "final_norm"),
          explanation="The decoder layer computes differently in the two engines from this probe on, with identical inputs.",

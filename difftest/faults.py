@@ -112,10 +112,21 @@ class Workspace:
 
 
 @dataclass(frozen=True)
+class OnEngine:
+    """How a serving engine other than SGLang meets a fault, where it differs: data about that
+    engine, measured by the selftest, never papered over."""
+
+    caught_at: str = "-"  # a probe, "audit:<check>", or "-": the engine computes what training does
+    diagnosis: str | None = None
+    why: str = ""  # what the engine's own code does with it
+    applies: bool = True  # False: the engine's code has no path that produces the fault
+
+
+@dataclass(frozen=True)
 class Fault:
     name: str
     bug_class: str  # the public bug it reproduces
-    caught_at: str  # a probe name, or "audit:<check>"
+    caught_at: str  # a probe name, or "audit:<check>" (on SGLang, the engine the catalog was first built on)
     diagnosis: str  # a cause in difftest.diagnosis.CAUSES
     inject: Callable[[Workspace], None]
     # Run dtypes the fault means something at (e.g. a downcast is a no-op at bf16).
@@ -135,6 +146,17 @@ class Fault:
     # The fault stands for a draft trained otherwise (its config and states rewritten as if
     # trained in another order): the training run's metrics do not describe it.
     rewrites_training: bool = False
+    # (serving engine, how it meets the fault) where that differs from SGLang's place and cause.
+    on: tuple[tuple[str, OnEngine], ...] = ()
+
+    def on_engine(self, engine: str) -> OnEngine:
+        """What the selftest expects from this serving engine."""
+        own = dict(self.on)
+        if engine in own:
+            return own[engine]
+        if engine != "sglang" and self.deployed:
+            return OnEngine(applies=False, why="an edit to the directory SGLang serves or to SGLang's launch command")
+        return OnEngine(self.caught_at, self.diagnosis)
 
 
 def _d2t(edit: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Workspace], None]:
@@ -291,34 +313,59 @@ FAULTS: tuple[Fault, ...] = (
     # sglang 0.5.23 maps both midlayer.* and layers.0.* itself; a name it has no rule for
     # (here a 1-based layer index from a converter) is what it still drops without a word.
     Fault("decoder_keys_renamed", "checkpoint keys the engine doesn't know are skipped (layers.0.* vs midlayer.*)",
-          "layer0.embed_norm", "keys_dropped", lambda ws: ws.serve(key_renames=(("layers.0.", "layers.1."),))),
+          "layer0.embed_norm", "keys_dropped", lambda ws: ws.serve(key_renames=(("layers.0.", "layers.1."),)),
+          on=(("vllm", OnEngine("audit:launch", "served_weights_refused",
+                                "vLLM's AutoWeightsLoader raises on a name no parameter has: a server would not start "
+                                "(SGLang's load_weights skips it without a word)")),)),
     Fault("d2t_absolute_ids", "d2t stored as absolute target ids where offsets belong",
           "audit:vocab", "d2t_absolute_ids", _d2t(_absolute)),
     Fault("d2t_arange_subtracted", "a 'fix' that subtracts arange from correct d2t offsets",
-          "audit:vocab", "d2t_arange_subtracted", _d2t(_arange_subtracted)),
+          "audit:vocab", "d2t_arange_subtracted", _d2t(_arange_subtracted),
+          on=(("vllm", OnEngine("target_token", "d2t_arange_subtracted",
+                                "vLLM scatters the draft logits into the target vocab at arange + d2t; the scrambled "
+                                "map repeats ids, one logit per target id survives, and its argmax leaves the draft's "
+                                "mapped argmax, so the target_token probe itself diverges")),)),
     Fault("d2t_missing", "no d2t in the checkpoint: draft ids read as target ids",
           "target_token", "d2t_missing", lambda ws: ws.edit_tensors(lambda t: t.pop("d2t"))),
     Fault("lm_head_missing", "a missing lm_head left at random init",
-          "logits", "lm_head_missing", lambda ws: ws.edit_tensors(lambda t: t.pop("lm_head.weight"))),
+          "logits", "lm_head_missing", lambda ws: ws.edit_tensors(lambda t: t.pop("lm_head.weight")),
+          on=(("vllm", OnEngine("logits", "lm_head_replaced_by_target",
+                                "vLLM's proposer shares the target's head when the checkpoint has none "
+                                "(_maybe_share_lm_head), where SGLang leaves it uninitialised")),)),
     Fault("lm_head_from_target", "a missing lm_head replaced by the target's full-vocab head (set_embed_and_head, "
           "taken when draft_vocab_size is null in the serving config)",
-          "logits", "lm_head_replaced_by_target", _head_from_target),
+          "logits", "lm_head_replaced_by_target", _head_from_target,
+          on=(("vllm", OnEngine("audit:launch", "served_weights_refused",
+                                "with draft_vocab_size null vLLM builds no draft_id_to_target_id, and its loader refuses "
+                                "the d2t tensor: a server would not start")),)),
     Fault("draft_embedding_not_shared", "the draft's own random embedding used instead of the target's",
-          "embed", "embedding_not_shared", _random_embedding),
+          "embed", "embedding_not_shared", _random_embedding,
+          on=(("vllm", OnEngine(applies=False, why="vLLM's proposer shares the target's embedding whenever the "
+                                "checkpoint has none (_maybe_share_embeddings)")),)),
     Fault("aux_capture_off", "the target not set up to capture aux hidden states: one layer, fc skipped by the shape check",
-          "fc.input", "aux_capture_off_fc_skipped", lambda ws: ws.serve(aux_capture=False)),
+          "fc.input", "aux_capture_off_fc_skipped", lambda ws: ws.serve(aux_capture=False),
+          on=(("vllm", OnEngine(applies=False, why="vLLM's runner captures aux states exactly when the draft's "
+                                "config asks (eagle_config.use_aux_hidden_state, read by proposer and draft alike)")),)),
     Fault("aux_ids_off_by_one", "aux layer ids off by one between engines (speculators' ids copied verbatim)",
-          "audit:capture", "aux_layers_off_by_one", _verbatim_aux_ids),
+          "audit:capture", "aux_layers_off_by_one", _verbatim_aux_ids,
+          on=(("vllm", OnEngine(why="vLLM's runner reads the draft config's own eagle_aux_hidden_state_layer_ids "
+                                "(speculators' ids, as trained) before eagle_config's")),)),
     Fault("aux_layers_wrong_order", "aux layers concatenated in a different order than trained",
           "audit:capture", "aux_layers_wrong_order", _trained_in_reverse_order, rewrites_training=True),
     Fault("norm_flag_dropped", "the converter drops a norm flag (norm_before_fc)",
           "fc.input", "config_flag_not_carried", _norm_flag_dropped),
     Fault("rope_theta_dropped", "the converter drops rope theta / scaling",
-          "layer0.attn_output", "rope_mismatch", _rope_dropped),
+          "layer0.attn_output", "rope_mismatch", _rope_dropped,
+          on=(("vllm", OnEngine(applies=False, why="a fault of the conversion to SGLang's config; vLLM serves the "
+                                "checkpoint's own config, rope in its transformer_layer_config")),)),
     Fault("tie_word_embeddings_set", "tie_word_embeddings wrongly set: the target-vocab embedding used as the head",
-          "logits", "tied_embeddings", lambda ws: ws.serve_config_edit("tie_word_embeddings", True)),
+          "logits", "tied_embeddings", lambda ws: ws.serve_config_edit("tie_word_embeddings", True),
+          on=(("vllm", OnEngine(why="Eagle3LlamaForCausalLM always builds its own draft-vocab head and never reads "
+                                "tie_word_embeddings")),)),
     Fault("weights_downcast", "weights in a different dtype (bf16) from the target states (fp32)",
-          "embed", "embedding_precision", _downcast_weights, dtypes=("fp32",)),
+          "embed", "embedding_precision", _downcast_weights, dtypes=("fp32",),
+          on=(("vllm", OnEngine(why="vLLM's proposer shares the target's embedding only if it equals the checkpoint's; "
+                                "the bf16-rounded copy differs, so vLLM keeps it, as speculators does")),)),
     # After training: both engines agree, acceptance collapses, and the draft's own
     # norm_before_residual divergence (which costs nothing) must not take the headline.
     Fault("head_rows_shuffled_after_training", "lm_head rows reordered after training: the head out of step with d2t",

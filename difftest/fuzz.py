@@ -32,11 +32,23 @@ TARGET_LAYERS = 6
 EXPLAINED_WITHOUT_FINDING = set(KNOWN_UPSTREAM_DIVERGENCES) | {"embedding_precision"}
 
 
+# Head sizes drawn when the serving engine's CPU attention runs any (small ones are fast).
+SMALL_HEAD_DIMS = (8, 16)
+
+
+def head_dims_for(serving: str) -> tuple[int, ...]:
+    """The two smallest head sizes the serving engine's CPU attention runs (its adapter says)."""
+    from difftest.pipeline import candidate_adapter
+
+    supported = getattr(candidate_adapter(serving), "cpu_head_dims", None)
+    return tuple(supported[:2]) if supported else SMALL_HEAD_DIMS
+
+
 @st.composite
-def cases(draw) -> dict:
+def cases(draw, serving: str = "sglang", head_dims: tuple[int, ...] = SMALL_HEAD_DIMS) -> dict:
     heads = draw(st.sampled_from([2, 4]))
     kv_heads = draw(st.sampled_from([h for h in (1, 2, 4) if heads % h == 0]))
-    head_dim = draw(st.sampled_from([8, 16]))
+    head_dim = draw(st.sampled_from(list(head_dims)))
     hidden = draw(st.sampled_from([32, 64]))
     vocab = draw(st.sampled_from([128, 256]))
     num_aux = draw(st.integers(1, 4))
@@ -66,6 +78,7 @@ def cases(draw) -> dict:
         "mapping": draw(st.sampled_from(["spread", "low", "high"])),
         "seq_lens": draw(st.lists(st.integers(1, 24), min_size=1, max_size=3)),
         "dtype": draw(st.sampled_from(["fp32", "bf16"])),
+        "serving": serving,
     }
 
 
@@ -192,7 +205,8 @@ def run_case(case: dict) -> Outcome:
         ckpt, target, states = build_case(case, Path(tmp))
         try:
             inputs = pipeline.prepare(ckpt, target, states)
-            result = pipeline.run(inputs, dtype=DTYPES[case["dtype"]], measure_noise=False)
+            result = pipeline.run(inputs, dtype=DTYPES[case["dtype"]], measure_noise=False,
+                                  candidate=pipeline.candidate_adapter(case.get("serving", "sglang")))
         except InputError as exc:
             return Outcome(case, "REFUSED", "input_error", None, True, str(exc)[:200], time.perf_counter() - t0)
         except Exception as exc:  # an engine refusing the config is loud, which is not the bug class hunted here
@@ -202,7 +216,8 @@ def run_case(case: dict) -> Outcome:
     if diag is None:
         return Outcome(case, "PARITY", seconds=time.perf_counter() - t0)
     explained = diag.cause != "unexplained_divergence" and bool(diag.evidence or diag.cause in EXPLAINED_WITHOUT_FINDING)
-    first = result.comparison.first_divergence
+    # A serving engine that refused the draft computed no probe: the place is where the refusal was found.
+    first = None if result.candidate.details.get("refused") else result.comparison.first_divergence
     return Outcome(case, "DIVERGED", diag.cause, first.probe if first else diag.found_at, explained,
                    "; ".join(diag.evidence)[:300], time.perf_counter() - t0)
 
@@ -229,13 +244,18 @@ class FuzzSummary:
         return 60 * len(self.outcomes) / self.seconds if self.seconds else 0.0
 
 
+def strategy_for(serving: str = "sglang", dtype: str | None = None):
+    drawn = cases(serving, head_dims_for(serving))
+    return drawn if dtype is None else drawn.map(lambda c: c | {"dtype": dtype})
+
+
 def explore(examples: int, seed: int = 0, dtype: str | None = None,
-            on_outcome: Callable[[Outcome], None] | None = None) -> FuzzSummary:
-    """Run `examples` drawn cases through both engines (Hypothesis draws them)."""
+            on_outcome: Callable[[Outcome], None] | None = None, serving: str = "sglang") -> FuzzSummary:
+    """Run `examples` drawn cases through training and the serving engine (Hypothesis draws them)."""
     from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
 
     summary = FuzzSummary()
-    strategy = cases() if dtype is None else cases().map(lambda c: c | {"dtype": dtype})
+    strategy = strategy_for(serving, dtype)
     t0 = time.perf_counter()
 
     @hseed(seed)
@@ -253,12 +273,13 @@ def explore(examples: int, seed: int = 0, dtype: str | None = None,
     return summary
 
 
-def shrink(signature: tuple, budget: int = 60, seed: int = 0, dtype: str | None = None) -> Outcome | None:
+def shrink(signature: tuple, budget: int = 60, seed: int = 0, dtype: str | None = None,
+           serving: str = "sglang") -> Outcome | None:
     """The minimal case Hypothesis finds with this signature (None if it finds none in budget)."""
     from hypothesis import HealthCheck, find, seed as hseed, settings
     from hypothesis.errors import NoSuchExample
 
-    strategy = cases() if dtype is None else cases().map(lambda c: c | {"dtype": dtype})
+    strategy = strategy_for(serving, dtype)
     seen: dict[str, Outcome] = {}
 
     def has_signature(case) -> bool:
@@ -275,7 +296,9 @@ def shrink(signature: tuple, budget: int = 60, seed: int = 0, dtype: str | None 
 
 
 def regression_name(outcome: Outcome) -> str:
-    return f"{outcome.cause}--{outcome.first_divergence or 'audit'}".replace("/", "_").replace(":", "_")
+    serving = outcome.case.get("serving", "sglang")
+    prefix = "" if serving == "sglang" else f"{serving}--"  # the catalog began with SGLang's
+    return f"{prefix}{outcome.cause}--{outcome.first_divergence or 'audit'}".replace("/", "_").replace(":", "_")
 
 
 def write_regression(outcome: Outcome, directory: Path = REGRESSIONS_DIR) -> Path:

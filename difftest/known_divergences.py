@@ -29,6 +29,13 @@ KNOWN_UPSTREAM_DIVERGENCES: dict[str, str] = {
         "speculators' layers after the first read only the hidden state; layer 0 agrees and the "
         "output of a draft with more than one layer does not."
     ),
+    "aux_layer_count_not_read": (
+        "found by difftest fuzz against vLLM (fixtures/regressions/): vllm 0.32.0's EAGLE-3 LlamaModel sizes fc "
+        "for num_aux_hidden_states, else the length of eagle_config's eagle_aux_hidden_state_layer_ids, else 3 "
+        "(llama_eagle3.py, LlamaModel.__init__); its speculators config parser keeps the draft's own ids at the top "
+        "level, which that count does not read, so a speculators draft trained on other than 3 aux layers fails "
+        "to load (AutoWeightsLoader: fc.weight of the wrong width)."
+    ),
 }
 
 # cause -> the serving engines it was found in (vLLM 0.32.0 reads norm_before_residual and
@@ -37,6 +44,7 @@ FOUND_IN: dict[str, frozenset[str]] = {
     "norm_before_residual_ignored": frozenset({"sglang"}),
     "dynamic_rope_scaling_differs": frozenset({"sglang"}),
     "multi_layer_draft_differs": frozenset({"sglang"}),
+    "aux_layer_count_not_read": frozenset({"vllm"}),
 }
 
 # cause -> does this checkpoint have the feature?
@@ -45,6 +53,8 @@ _TRIGGERS: dict[str, Callable[[Checkpoint], bool]] = {
     "norm_before_residual_ignored": lambda c: c.spec.norm_before_residual,
     "multi_layer_draft_differs": lambda c: c.spec.num_hidden_layers > 1,
     "dynamic_rope_scaling_differs": lambda c: (c.spec.rope_scaling or {}).get("rope_type", (c.spec.rope_scaling or {}).get("type")) == "dynamic",
+    # The load refusal reports it when it happens; this names it beside other findings.
+    "aux_layer_count_not_read": lambda c: c.spec.num_aux != 3,
 }
 
 

@@ -292,10 +292,25 @@ def run_set(inputs: RunInputs, serving: dict[str, ServingSetup], on_step: Callab
     """Training compared with each serving engine in turn (`serving`: engine name -> how it is
     served), the training engine's runs shared between them."""
     reference = _TrainingRunsOnce(reference_adapter())
+    engines = {name: candidate_adapter(name) for name in serving}
+    if analysis.get("chain_steps", 0) > 0:
+        # A launch command decides how many steps its engine drafts; every engine in the set
+        # drafts as many, so their accept lengths (and training's) are comparable.
+        for name, setup in serving.items():
+            if setup.deployment is None:
+                continue
+            options = RunOptions(dtype=analysis.get("dtype", torch.float32), device=analysis.get("device", "cpu"),
+                                 serving=setup)
+            try:
+                analysis["chain_steps"] = engines[name].deployment_plan(inputs.checkpoint, inputs.target,
+                                                                        options).chain_steps
+            except ServingRefused:
+                pass  # its comparison reports the refusal; the others keep the asked length
+            break
     results = {}
     for name, setup in serving.items():
         step = (lambda msg, name=name: on_step(f"[{name}] {msg}")) if len(serving) > 1 else on_step
-        results[name] = run(inputs, serving=setup, reference=reference, candidate=candidate_adapter(name),
+        results[name] = run(inputs, serving=setup, reference=reference, candidate=engines[name],
                             on_step=step, **analysis)
         release_memory(inputs.checkpoint.nbytes() > COLLECT_ABOVE_BYTES)
     return results
@@ -440,10 +455,17 @@ def refused_deployment(inputs: RunInputs, options: RunOptions, refused: ServingR
     why = f"not run: {refused.engine} refuses the served directory (the launch finding says why)"
     cand_run = EngineRun(candidate.name, probes={}, missing={name: why for name in ref_run.probes},
                          details={"refused": refused.reason})
-    finding = Finding("launch", refused.cause, Severity.ERROR,
-                      f"{refused.engine} refuses {refused.served_dir} before loading a weight: {refused.reason}",
-                      {"served_dir": refused.served_dir, "engine_error": refused.reason})
+    from difftest.audit.ledger import check_duplicate_copies, check_unread_files
+    from difftest.audit.vocab import check_vocab
+
     deployment = options.serving.deployment
+    # Where the user named the directory, it is theirs to read; otherwise it is a scratch copy.
+    where = refused.served_dir if deployment is not None else "the served checkpoint"
+    finding = Finding("launch", refused.cause, Severity.ERROR, f"{refused.engine} refuses {where}: {refused.reason}",
+                      {"served_dir": where, "engine_error": refused.reason})
+    # What the checkpoint alone shows still stands: it may name why the engine fails.
+    findings = [finding, *check_vocab(inputs.checkpoint), *check_unread_files(inputs.checkpoint),
+                *check_duplicate_copies(inputs.checkpoint)]
     served = None if deployment is None else {
         "served_dir": str(deployment.served_dir), "launch_argv": list(deployment.launch_argv),
         "plan": {"dtype": "not resolved", "chain_steps": 0, "flags": [], "notes": [finding.message]},
@@ -453,8 +475,8 @@ def refused_deployment(inputs: RunInputs, options: RunOptions, refused: ServingR
     tol = tolerance_for(options.dtype)
     comparison = compare_runs(ref_run.probes, {}, tol, cand_run.missing)
     return RunResult(inputs=inputs, options=options, tolerance=tol, reference=ref_run, candidate=cand_run,
-                     comparison=comparison, diagnosis=rank_by_cost(Comparison([]), [finding]),
-                     noise_floor=None, timings_s={"engines": time.perf_counter() - t0}, findings=[finding],
+                     comparison=comparison, diagnosis=rank_by_cost(Comparison([]), findings),
+                     noise_floor=None, timings_s={"engines": time.perf_counter() - t0}, findings=findings,
                      deployment=served)
 
 
@@ -530,7 +552,10 @@ def audit(inputs: RunInputs, reference: EngineAdapter, candidate: EngineAdapter,
     ckpt = inputs.checkpoint
     findings = (check_ledgers(ref_run, cand_run) + check_shipped_embedding(ckpt, inputs.target, ref_run, cand_run)
                 + check_vocab(ckpt) + check_unread_files(ckpt) + check_duplicate_copies(ckpt))
-    conversion_rows, conversion_findings = check_conversion(ckpt, cand_run.details.get("served_config", ckpt.config))
+    # Only an engine that is served a converted config has a conversion to audit; one that reads
+    # the training checkpoint itself (vLLM) has its reading measured by the config audit instead.
+    served_config = cand_run.details.get("served_config")
+    conversion_rows, conversion_findings = check_conversion(ckpt, served_config) if served_config else ([], [])
     serving_plan = serving_plan or candidate.capture_plan(ckpt, inputs.target, options)
     training_plan = reference.capture_plan(ckpt, inputs.target, RunOptions(dtype=options.dtype, device=options.device))
     capture_findings = check_capture(serving_plan, training_plan, inputs.states)

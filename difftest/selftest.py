@@ -57,6 +57,9 @@ class Outcome:
     unnamed_also: tuple[str, ...] = ()
     # The headline cause's own cost, as the report gives it: {cost, method} (see diagnosis.Diagnosis.ranked).
     headline_cost: dict | None = None
+    serving: str = "sglang"  # the serving engine training was compared with
+    applies: bool = True  # False: that engine's code has no path that produces the fault (why says so)
+    why: str = ""
 
     @property
     def passed(self) -> bool:
@@ -75,7 +78,12 @@ class Score:
 
     @property
     def faults(self) -> list[Outcome]:
-        return [o for o in self.outcomes if o.fault not in (CLEAN, CLEAN_DEPLOYED)]
+        """The fault runs that count: those the serving engine's code can produce."""
+        return [o for o in self.outcomes if o.fault not in (CLEAN, CLEAN_DEPLOYED) and o.applies]
+
+    def by_engine(self) -> dict[str, "Score"]:
+        engines = dict.fromkeys(o.serving for o in self.outcomes)
+        return {e: Score([o for o in self.outcomes if o.serving == e]) for e in engines}
 
     @property
     def caught(self) -> int:
@@ -140,14 +148,19 @@ def fixtures(which: str) -> list[SelftestFixture]:
 
 
 def run_one(fx: SelftestFixture, states: CapturedStates, dtype_name: str, fault: Fault | None,
-            deployed: bool = False) -> Outcome:
-    """One run on a scratch copy. deployed: through --serve, on a served copy and its launch
-    command (made as `difftest convert` makes them), which a deployment fault then edits."""
+            deployed: bool = False, serving: str = "sglang") -> Outcome:
+    """One run on a scratch copy, training against the `serving` engine. deployed: through
+    --serve, on a served copy and its launch command (made as `difftest convert` makes them),
+    which a deployment fault then edits."""
     from difftest import pipeline
 
     t0 = time.perf_counter()
     dtype = DTYPES[dtype_name]
     deployed = deployed or (fault is not None and fault.deployed)
+    expected = fault.on_engine(serving) if fault is not None else None
+    if expected is not None and not expected.applies:
+        return Outcome(fixture=fx.name, dtype=dtype_name, fault=fault.name, expected_at="-", expected_cause=None,
+                       found_at="-", found_cause=None, seconds=0.0, serving=serving, applies=False, why=expected.why)
     with scratch_dir() as tmp:
         ws = Workspace.copy_of(fx.checkpoint, states, fx.target, Path(tmp), dtype)
         after_training = fault is not None and fault.after_training
@@ -164,7 +177,7 @@ def run_one(fx: SelftestFixture, states: CapturedStates, dtype_name: str, fault:
         extra = dict(training_metrics=fx.training_metrics, training_run=fx.training_run) if reads_training else {}
         result = pipeline.run(inputs, dtype=dtype, serving=ws.deployment() if deployed else ws.serving,
                               measure_noise=False, chain_steps=fx.chain_steps or (4 if after_training else 0),
-                              measure_target_capture=deployed, **extra)
+                              measure_target_capture=deployed, candidate=pipeline.candidate_adapter(serving), **extra)
     diag = result.diagnosis
     found_at, found_cause = (diag.found_at, diag.cause) if diag else ("-", None)
     if fault is not None and fault.notice_only and diag is None:
@@ -180,7 +193,8 @@ def run_one(fx: SelftestFixture, states: CapturedStates, dtype_name: str, fault:
         cost = {"against": "training", "training": diag.ranked[0]["cost_accept_length"]}
     return Outcome(
         fixture=fx.name, dtype=dtype_name, fault=fault.name if fault else (CLEAN_DEPLOYED if deployed else CLEAN),
-        expected_at=fault.caught_at if fault else "-", expected_cause=fault.diagnosis if fault else None,
+        expected_at=expected.caught_at if fault else "-", expected_cause=expected.diagnosis if fault else None,
+        serving=serving, why=expected.why if fault else "",
         found_at=found_at, found_cause=found_cause,
         seconds=time.perf_counter() - t0, accept_length=accept, cost=cost,
         unnamed_also=tuple(c for c in (fault.also if fault else ()) if diag is None or c not in diag.also),
@@ -190,21 +204,22 @@ def run_one(fx: SelftestFixture, states: CapturedStates, dtype_name: str, fault:
 
 
 def run_selftest(which: str = "all", dtypes: Iterable[str] = ("fp32", "bf16"), only: Iterable[str] | None = None,
-                 on_outcome: Callable[[Outcome], None] | None = None, max_tokens: int | None = None) -> Score:
+                 on_outcome: Callable[[Outcome], None] | None = None, max_tokens: int | None = None,
+                 serving: Iterable[str] = ("sglang",)) -> Score:
     chosen = [f for f in FAULTS if only is None or f.name in set(only)]
     outcomes = []
     for fx in fixtures(which):
         states = load_states(fx.states)
         if max_tokens:
             states = states.head(max_tokens)
-        for dtype_name in dtypes:
+        for engine, dtype_name in ((e, d) for e in serving for d in dtypes):
             applicable = [f for f in chosen if dtype_name in f.dtypes and (fx.training_metrics or not f.after_training)]
             clean = None
             runs = [(None, False), *[(f, False) for f in applicable]]
-            if any(f.deployed for f in applicable):
+            if any(f.deployed and f.on_engine(engine).applies for f in applicable):
                 runs.insert(1, (None, True))  # a correct served copy and command: no false alarm
             for fault, deployed in runs:
-                outcome = run_one(fx, states, dtype_name, fault, deployed)
+                outcome = run_one(fx, states, dtype_name, fault, deployed, serving=engine)
                 if fault is None:
                     clean = outcome
                 elif outcome.cost is None and outcome.accept_length and clean and clean.accept_length:
@@ -221,15 +236,34 @@ def render_table(score: Score):
     from rich.table import Table
 
     table = Table(title="difftest selftest")
-    for col in ("fixture", "dtype", "fault", "expected place", "found place", "diagnosis", "cost", "result"):
+    for col in ("serving", "fixture", "dtype", "fault", "expected place", "found place", "diagnosis", "cost", "result"):
         table.add_column(col, overflow="fold")
     for o in score.outcomes:
         diag = o.found_cause or "-"
         if o.fault not in (CLEAN, CLEAN_DEPLOYED) and o.found_cause != o.expected_cause:
             diag = f"{diag} (expected {o.expected_cause})"
-        table.add_row(o.fixture, o.dtype, o.fault, o.expected_at, o.found_at, diag, format_cost(o.cost),
-                      "pass" if o.passed else "FAIL")
+        table.add_row(o.serving, o.fixture, o.dtype, o.fault, o.expected_at, o.found_at, diag, format_cost(o.cost),
+                      result_label(o))
     return table
+
+
+def result_label(o: Outcome) -> str:
+    if not o.applies:
+        return f"n/a: {o.why}"
+    return "pass" if o.passed else "FAIL"
+
+
+def score_line(score: Score) -> str:
+    """Mutation score and false alarms, per serving engine when there are several."""
+    def one(s: Score) -> str:
+        clean = sum(o.fault in (CLEAN, CLEAN_DEPLOYED) for o in s.outcomes)
+        return (f"mutation score {s.caught}/{len(s.faults)} ({s.mutation_score:.0%}), "
+                f"false alarms {s.false_alarms}/{clean} clean runs")
+
+    engines = score.by_engine()
+    if len(engines) == 1:
+        return one(score)
+    return "; ".join(f"{engine}: {one(s)}" for engine, s in engines.items())
 
 
 def format_cost(cost: dict | None) -> str:
@@ -249,16 +283,15 @@ def format_headline_cost(headline: dict | None) -> str:
 
 
 def render_markdown(score: Score) -> str:
-    lines = ["# difftest selftest", "",
-             f"Mutation score {score.caught}/{len(score.faults)} ({score.mutation_score:.0%}); "
-             f"false alarms {score.false_alarms} on {len(score.outcomes) - len(score.faults)} clean runs.", "",
-             "| fixture | dtype | fault | expected place | found place | diagnosis | cost in accept length "
+    lines = ["# difftest selftest", "", f"{score_line(score)[0].upper()}{score_line(score)[1:]}.", "",
+             "| serving | fixture | dtype | fault | expected place | found place | diagnosis | cost in accept length "
              "| the headline's own cost (how measured) | result |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for o in score.outcomes:
-        lines.append(f"| {o.fixture} | {o.dtype} | {o.fault} | {o.expected_at} | {o.found_at} | {o.found_cause or '-'} | "
-                     f"{format_cost(o.cost)} | {format_headline_cost(o.headline_cost)} | "
-                     f"{'pass' if o.passed else '**FAIL**'} |")
+        result = result_label(o)
+        lines.append(f"| {o.serving} | {o.fixture} | {o.dtype} | {o.fault} | {o.expected_at} | {o.found_at} | "
+                     f"{o.found_cause or '-'} | {format_cost(o.cost)} | {format_headline_cost(o.headline_cost)} | "
+                     f"{'**FAIL**' if result == 'FAIL' else result} |")
     return "\n".join(lines) + "\n"
 
 
@@ -272,8 +305,12 @@ def write_selftest(score: Score, out_dir: str | Path) -> dict[str, Path]:
     paths = {"json": out / "selftest.json", "md": out / "selftest.md"}
     doc = {"mutation_score": score.mutation_score, "caught": score.caught, "faults": len(score.faults),
            "false_alarms": score.false_alarms, "ok": score.ok,
+           "by_engine": {e: {"mutation_score": s.mutation_score, "caught": s.caught, "faults": len(s.faults),
+                             "false_alarms": s.false_alarms, "ok": s.ok} for e, s in score.by_engine().items()},
            "catalog": [{"name": f.name, "bug_class": f.bug_class, "caught_at": f.caught_at, "diagnosis": f.diagnosis,
-                        "dtypes": list(f.dtypes)} for f in FAULTS],
+                        "dtypes": list(f.dtypes),
+                        "on": {e: {"caught_at": o.caught_at, "diagnosis": o.diagnosis, "why": o.why, "applies": o.applies}
+                               for e, o in f.on}} for f in FAULTS],
            "outcomes": [o.as_dict() for o in score.outcomes]}
     atomic_write(paths["json"], json.dumps(doc, indent=2) + "\n")
     atomic_write(paths["md"], render_markdown(score))

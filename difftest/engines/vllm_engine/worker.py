@@ -73,6 +73,8 @@ class LoadRecorder:
         self.consumed: dict[str, list[str]] = {}
         self.written: set[str] = set()
         self.seen: list[str] = []
+        self.loading: str | None = None
+        self.model = None  # the draft's LlamaModel once load_weights starts
 
     def iterate(self, weights):
         for name, tensor in weights:
@@ -84,6 +86,7 @@ class LoadRecorder:
     def install(self, model) -> None:
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
+        self.model = model.model
         for pname, param in model.named_parameters():
             loader = getattr(param, "weight_loader", default_weight_loader)
             param.weight_loader = self._wrap(pname, loader)
@@ -93,8 +96,9 @@ class LoadRecorder:
             name = self.by_ptr.get(loaded.data_ptr())
             if name is not None:
                 self.consumed.setdefault(name, []).append(pname)
+            self.loading = pname  # what a loader error is about
+            loader(param, loaded, *args, **kwargs)
             self.written.add(pname)
-            return loader(param, loaded, *args, **kwargs)
 
         return recording_loader
 
@@ -139,19 +143,30 @@ class Draft:
                     self.model = get_model(vllm_config=self.vc,
                                            model_config=self.vc.speculative_config.draft_model_config,
                                            load_config=get_draft_load_config(self.vc))
-                except (AttributeError, KeyError, TypeError, ValueError, NotImplementedError) as exc:
-                    # The server would not start: an activation its MLP does not implement, or a
-                    # tensor name AutoWeightsLoader finds no parameter for.
-                    reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                    loading = bool(self.recorder.seen)
-                    raise ServingRefused("vllm", params["served_dir"],
-                                         ("its loader refuses the weights" if loading else
-                                          "Eagle3LlamaForCausalLM cannot be built from its config") + f" ({reason})",
-                                         "served_weights_refused" if loading else "served_config_not_servable") from None
+                except (AttributeError, AssertionError, KeyError, TypeError, ValueError, NotImplementedError) as exc:
+                    raise self._refusal(params, exc) from None
             self.shared = self._share_target(params)
         self.timings["load"] = time.perf_counter() - t0
         self.dtype = self.vc.speculative_config.draft_model_config.dtype
         self._attention()
+
+    def _refusal(self, params: dict, exc: Exception) -> ServingRefused:
+        """Why a server would not start on this directory: a config its classes cannot be built
+        from (an activation its MLP lacks), a tensor name AutoWeightsLoader has no parameter for,
+        or a tensor whose shape the parameter does not have."""
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        served = params["served_dir"]
+        if not self.recorder.seen:
+            return ServingRefused("vllm", served, f"Eagle3LlamaForCausalLM cannot be built from its config ({reason})",
+                                  "served_config_not_servable")
+        failing = self.recorder.loading
+        if isinstance(exc, AssertionError) and failing == "model.fc.weight":
+            # LlamaModel sizes fc for num_aux_hidden_states, else eagle_config's id count, else 3.
+            expected = getattr(self.recorder.model, "num_aux_hidden_states", None)
+            return ServingRefused("vllm", served, f"fc is sized for {expected or 'its default of 3'} aux layers, which "
+                                  f"vLLM counts without the draft's own aux ids ({reason})", "aux_layer_count_not_read")
+        where = f" at {failing}" if failing else ""
+        return ServingRefused("vllm", served, f"its loader refuses the weights{where} ({reason})", "served_weights_refused")
 
     def _share_target(self, params: dict) -> list[str]:
         """The EAGLE proposer's own load_model sharing (_maybe_share_embeddings, then
@@ -163,9 +178,6 @@ class Draft:
 
         target = target_stand_in(self.vc, params["target"], self.vc.model_config.dtype)
         before_embed, before_head = self.model.model.embed_tokens, self.model.lm_head
-        if not params.get("share_target_embed", True):
-            # fault: the target hands out no embedding; the proposer sees a distinct one and keeps it
-            target.model.embed_tokens = SimpleNamespace(weight=None)
         proposer = SimpleNamespace(model=self.model, vllm_config=self.vc, use_local_argmax_reduction=False)
         SpecDecodeBaseProposer._maybe_share_embeddings(proposer, target)
         SpecDecodeBaseProposer._maybe_share_lm_head(proposer, target)
@@ -180,17 +192,28 @@ class Draft:
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-        layers = get_layers_from_vllm_config(self.vc, AttentionLayerBase)
-        draft_layers = {n: a for n, a in layers.items() if n.startswith("model.layers.")}
-        (self.layer_name, self.attn), = draft_layers.items()
-        self.spec = self.attn.get_kv_cache_spec(self.vc)
-        self.backend = self.attn.get_attn_backend()
+        # Only the draft was built under this config: its layers are all there are (one per
+        # decoder layer, numbered after the target's, as the proposer's own layers are).
+        self.attns = dict(sorted(get_layers_from_vllm_config(self.vc, AttentionLayerBase).items()))
+        first = next(iter(self.attns.values()))
+        self.spec = first.get_kv_cache_spec(self.vc)
+        self.backend = first.get_attn_backend()
 
     def allocate(self, blocks: int) -> None:
         # CPUAttentionBackendImpl.forward reads [blocks, kv heads, block size, 2 * head size]
         # (its LBHNC layout: keys, then values, per block).
-        self.attn.kv_cache = torch.zeros(blocks, self.spec.num_kv_heads, self.spec.block_size,
-                                         2 * self.spec.head_size, dtype=self.dtype)
+        for attn in self.attns.values():
+            attn.kv_cache = torch.zeros(blocks, self.spec.num_kv_heads, self.spec.block_size, 2 * self.spec.head_size,
+                                        dtype=self.dtype)
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return [attn.kv_cache for attn in self.attns.values()]
+
+    @kv_caches.setter
+    def kv_caches(self, caches: list[torch.Tensor]) -> None:
+        for attn, cache in zip(self.attns.values(), caches):
+            attn.kv_cache = cache
 
     def forward(self, ids, positions, hidden, seq_lens, query_lens, block_table, slots, combine: bool):
         """One model-runner step: the CPU backend's metadata, then combine_hidden_states (the
@@ -206,11 +229,11 @@ class Draft:
             query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=len(query_lens),
             num_actual_tokens=int(ids.numel()), max_query_len=int(max(query_lens)), max_seq_len=int(seq_lens.max()),
             block_table_tensor=block_table.to(torch.int32), slot_mapping=slots.to(torch.int64), causal=True)
-        builder = self.backend.get_builder_cls()(self.spec, [self.layer_name], self.vc, torch.device("cpu"))
-        metadata = builder.build(0, common)
+        names = list(self.attns)
+        metadata = self.backend.get_builder_cls()(self.spec, names, self.vc, torch.device("cpu")).build(0, common)
         with set_current_vllm_config(self.vc), set_forward_context(
-                {self.layer_name: metadata}, self.vc, num_tokens=int(ids.numel()),
-                slot_mapping={self.layer_name: slots.to(torch.int64)}):
+                {n: metadata for n in names}, self.vc, num_tokens=int(ids.numel()),
+                slot_mapping={n: slots.to(torch.int64) for n in names}):
             if combine:
                 hidden = self.model.combine_hidden_states(hidden.to(self.dtype))
             out, fed_back = self.model(ids, positions, hidden.to(self.dtype))
@@ -222,7 +245,6 @@ def target_stand_in(vc, target_dir: str, dtype: torch.dtype):
     """What the proposer reads from the target model: model.embed_tokens and lm_head, as the
     target's LlamaForCausalLM builds them (a tied config ties the head to the embedding)."""
     from pathlib import Path
-    from types import SimpleNamespace
 
     from safetensors import safe_open
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -248,7 +270,15 @@ def target_stand_in(vc, target_dir: str, dtype: torch.dtype):
         head = head.tie_weights(embed)
     else:
         head.weight.weight_loader(head.weight, found["lm_head.weight"])
-    return SimpleNamespace(model=SimpleNamespace(embed_tokens=embed), lm_head=head)
+    holder = torch.nn.Module()
+    holder.model = torch.nn.Module()
+    holder.model.embed_tokens, holder.lm_head = embed, head
+    # The loader's own post-processing, as the target's layers get it (on CPU: the GEMM
+    # prepacking a shared head then computes with).
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    process_weights_after_loading(holder, vc.model_config, torch.device("cpu"))
+    return holder
 
 
 def _probe_hooks(model, values: dict):
@@ -312,6 +342,11 @@ def run(params: dict, tensors: dict[str, torch.Tensor]):
     t1 = time.perf_counter()
     try:
         logits, fed_back = draft.forward(ids, local, hidden, seq_lens, seq_lens.tolist(), table, slots, combine=True)
+    except (RuntimeError, IndexError, ValueError, AttributeError) as exc:
+        # Loaded, then failing at its first forward: a server would fail on its first drafting request.
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        raise ServingRefused("vllm", params["served_dir"], f"its first draft forward fails ({reason})",
+                             "draft_forward_fails") from None
     finally:
         for h in handles:
             h.remove()
@@ -347,19 +382,20 @@ def chain(draft: Draft, ids, local, seq_lens, table, logits, fed_back, steps: in
     T = ids.numel()
     bs = draft.spec.block_size
     request = torch.repeat_interleave(torch.arange(seq_lens.numel()), seq_lens)
-    target_steps, draft_steps = [logits.argmax(dim=-1)], [None]
-    draft_steps[0] = _draft_ids(draft, target_steps[0])
+    target_steps = [logits.argmax(dim=-1)]
     fed = fed_back
-    kv_prefill = draft.attn.kv_cache.clone()
+    kv_prefill = [cache.clone() for cache in draft.kv_caches]
     for start in range(0, T, CHAIN_ROWS_PER_BATCH):
         rows = torch.arange(start, min(T, start + CHAIN_ROWS_PER_BATCH))
         n = rows.numel()
-        need = (local[rows] + steps + bs) // bs  # blocks to hold positions 0 .. local + steps - 1
-        width = int(need.max())
+        width = int((local[rows].max() + steps - 1) // bs + 1)  # blocks for positions 0 .. local + steps - 1
         own = torch.arange(1, 1 + n * width).view(n, width)
         draft.allocate(1 + n * width)
-        src = table[request[rows]][:, :width]
-        draft.attn.kv_cache[own.flatten()] = kv_prefill[src.flatten()]
+        # The request's blocks holding the prefix; the chain's own tokens may need one more.
+        k = min(width, table.shape[1])
+        src = table[request[rows]][:, :k]
+        for cache, prefill in zip(draft.kv_caches, kv_prefill):
+            cache[own[:, :k].flatten()] = prefill[src.flatten()]
         token, hidden = target_steps[0][rows], fed[rows]
         for j in range(1, steps):
             pos = local[rows] + j
@@ -370,7 +406,7 @@ def chain(draft: Draft, ids, local, seq_lens, table, logits, fed_back, steps: in
             if len(target_steps) <= j:
                 target_steps.append(torch.zeros(T, dtype=torch.int64))
             target_steps[j][rows] = token
-    draft.attn.kv_cache = kv_prefill
+    draft.kv_caches = kv_prefill
     targets = torch.stack(target_steps, dim=1)
     return targets, torch.stack([_draft_ids(draft, targets[:, j]) for j in range(steps)], dim=1)
 
@@ -467,7 +503,7 @@ def capture_target(params: dict, tensors: dict):
 
     t0 = time.perf_counter()
     plan, _ = capture_plan(params, {})
-    ids = plan["hf_layer_ids"] if params.get("aux_capture", True) else None
+    ids = plan["hf_layer_ids"]
     vc = engine_config(params)
     dtype = vc.model_config.dtype
     with set_current_vllm_config(vc):
