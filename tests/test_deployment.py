@@ -233,7 +233,7 @@ def test_a_speculators_directory_served_as_is_is_the_verdict_not_an_error(tmp_pa
     assert (rep["diagnosis"]["cause"], rep["diagnosis"]["found_at"]) == ("served_format_not_servable", "audit:launch")
     assert "difftest convert" in rep["diagnosis"]["fix"] and "--decrypted-draft-config-file" in rep["diagnosis"]["fix"]
     assert "model_type" in rep["deployment"]["refused"]  # SGLang's own words, not difftest's guess
-    assert "SGLang refuses this directory" in (out / "report.md").read_text()
+    assert "sglang refuses this directory" in (out / "report.md").read_text()
     assert _tree_digest(ws.checkpoint) == before
 
 

@@ -149,8 +149,7 @@ class VLLMAdapter:
             raise InputError(f"vLLM's draft cannot run in {options.dtype}")
         return {"target": str(Path(target.path).resolve()), "served_dir": str(served.resolve()),
                 "dtype": DTYPE_NAMES[options.dtype], "device": options.device, "max_model_len": None,
-                "num_speculative_tokens": max(chain_steps, 1), "chain_steps": chain_steps,
-                "share_target_embed": options.serving.share_target_embed}
+                "num_speculative_tokens": max(chain_steps, 1), "chain_steps": chain_steps}
 
     def capture_plan(self, checkpoint: Checkpoint, target: TargetWeights, options: RunOptions) -> CapturePlan:
         """The layers vLLM's model runner captures for this draft, from its own config code."""
