@@ -271,19 +271,22 @@ class _TrainingRunsOnce:
     def __init__(self, adapter: EngineAdapter):
         self._adapter = adapter
         self.name = adapter.name
-        self._runs: list[tuple[tuple, EngineRun]] = []
+        # (ids of the inputs, chain steps) -> [(options, the inputs, the run)]
+        self._runs: dict[tuple, list[tuple[RunOptions, tuple, EngineRun]]] = {}
 
     def __getattr__(self, attr):
         return getattr(self._adapter, attr)
 
     def run(self, checkpoint, target, states, options, chain_steps: int = 0, chain_states=None) -> EngineRun:
-        # Identity, not equality, for the inputs: the keys keep them alive, so no id is reused.
-        key = (checkpoint, target, states, options, chain_steps, chain_states)
-        for seen, run_ in self._runs:
-            if all(a is b for a, b in zip(seen[:3], key[:3])) and seen[3:5] == key[3:5] and seen[5] is key[5]:
+        inputs = (checkpoint, target, states, chain_states)
+        # The same objects, not equal ones: each entry keeps its inputs alive, so no id is reused.
+        # Options are compared, not hashed: a serving setup's config edits may hold lists.
+        runs = self._runs.setdefault((*map(id, inputs), chain_steps), [])
+        for seen, _, run_ in runs:
+            if seen == options:
                 return run_
         run_ = self._adapter.run(checkpoint, target, states, options, chain_steps=chain_steps, chain_states=chain_states)
-        self._runs.append((key, run_))
+        runs.append((options, inputs, run_))
         return run_
 
 
@@ -455,17 +458,13 @@ def refused_deployment(inputs: RunInputs, options: RunOptions, refused: ServingR
     why = f"not run: {refused.engine} refuses the served directory (the launch finding says why)"
     cand_run = EngineRun(candidate.name, probes={}, missing={name: why for name in ref_run.probes},
                          details={"refused": refused.reason})
-    from difftest.audit.ledger import check_duplicate_copies, check_unread_files
-    from difftest.audit.vocab import check_vocab
-
     deployment = options.serving.deployment
     # Where the user named the directory, it is theirs to read; otherwise it is a scratch copy.
     where = refused.served_dir if deployment is not None else "the served checkpoint"
     finding = Finding("launch", refused.cause, Severity.ERROR, f"{refused.engine} refuses {where}: {refused.reason}",
                       {"served_dir": where, "engine_error": refused.reason})
     # What the checkpoint alone shows still stands: it may name why the engine fails.
-    findings = [finding, *check_vocab(inputs.checkpoint), *check_unread_files(inputs.checkpoint),
-                *check_duplicate_copies(inputs.checkpoint)]
+    findings = [finding, *checkpoint_findings(inputs.checkpoint)]
     served = None if deployment is None else {
         "served_dir": str(deployment.served_dir), "launch_argv": list(deployment.launch_argv),
         "plan": {"dtype": "not resolved", "chain_steps": 0, "flags": [], "notes": [finding.message]},
@@ -540,20 +539,28 @@ def target_capture_parity(inputs: RunInputs, candidate: EngineAdapter, options: 
     return measure_capture(states, served, layers, tolerance_for(torch.float32))
 
 
+def checkpoint_findings(ckpt: Checkpoint) -> list:
+    """What the checkpoint alone shows, before any engine: its vocab map, files no loader reads,
+    tensors stored twice."""
+    from difftest.audit.ledger import check_duplicate_copies, check_unread_files
+    from difftest.audit.vocab import check_vocab
+
+    return check_vocab(ckpt) + check_unread_files(ckpt) + check_duplicate_copies(ckpt)
+
+
 def audit(inputs: RunInputs, reference: EngineAdapter, candidate: EngineAdapter, ref_run: EngineRun,
           cand_run: EngineRun, options: RunOptions, serving_plan=None) -> tuple[list, list[dict], dict]:
     """The checks settled before the first matmul: ledgers, vocab mapping, config translation, capture."""
     from difftest.audit.capture import check_capture
     from difftest.audit.findings import Finding, Severity
     from difftest.audit.conversion import check_conversion
-    from difftest.audit.ledger import check_duplicate_copies, check_ledgers, check_shipped_embedding, check_unread_files
-    from difftest.audit.vocab import check_vocab
+    from difftest.audit.ledger import check_ledgers, check_shipped_embedding
 
     ckpt = inputs.checkpoint
     findings = (check_ledgers(ref_run, cand_run) + check_shipped_embedding(ckpt, inputs.target, ref_run, cand_run)
-                + check_vocab(ckpt) + check_unread_files(ckpt) + check_duplicate_copies(ckpt))
-    # Only an engine that is served a converted config has a conversion to audit; one that reads
-    # the training checkpoint itself (vLLM) has its reading measured by the config audit instead.
+                + checkpoint_findings(ckpt))
+    # The config the serving engine read, as its adapter reports it (SGLang: the converted
+    # legacy config; vLLM: the checkpoint's own, as its config code parsed it).
     served_config = cand_run.details.get("served_config")
     conversion_rows, conversion_findings = check_conversion(ckpt, served_config) if served_config else ([], [])
     serving_plan = serving_plan or candidate.capture_plan(ckpt, inputs.target, options)

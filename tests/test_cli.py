@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from difftest.report import validate_report
-from difftest.report.build import comparisons
+from difftest.report.views import comparisons
 from tests.conftest import tree_hash
 from tests.test_progress import assert_only_progress_lines
 

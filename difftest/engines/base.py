@@ -22,17 +22,30 @@ from difftest.target import TargetWeights
 DROP = "<dropped>"  # a config_edits value: remove the field
 
 
-def apply_config_edit(cfg: dict, path: str, value) -> None:
-    """One ServingSetup.config_edits entry applied to a config dict: a dotted field, set to
-    value (parents created as needed) or removed when value is DROP."""
-    node = cfg
-    *parents, leaf = path.split(".")
-    for key in parents:
-        node = node.setdefault(key, {})
-    if value is DROP:
-        node.pop(leaf, None)
-    else:
-        node[leaf] = value
+def apply_config_edits(cfg: dict, edits: tuple[tuple[str, object], ...]) -> dict[str, str]:
+    """ServingSetup.config_edits applied to a config dict in place: each a dotted field, set to
+    its value (parents created as needed) or removed when the value is DROP. Returns a note per
+    field, for the report's conversion notes."""
+    notes = {}
+    for path, value in edits:
+        node = cfg
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is DROP:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+        notes[path] = "serving setup: dropped" if value is DROP else f"serving setup: set to {value!r}"
+    return notes
+
+
+def renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """A checkpoint tensor's name after ServingSetup.key_renames (prefix renames, in order)."""
+    for old, new in renames:
+        if name.startswith(old):
+            name = new + name[len(old):]
+    return name
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ def load_baseline(path: str | Path) -> dict:
 def regressions(new: dict, old: dict, factor: float) -> list[str]:
     """What got worse, engine by engine: each serving engine's comparison against the baseline's
     comparison with the same engine (a report of one engine or a set, either side)."""
-    from difftest.report.build import comparisons
+    from difftest.report.views import comparisons
 
     new_by_engine, old_by_engine = comparisons(new), comparisons(old)
     if "comparisons" not in new and "comparisons" not in old:

@@ -11,7 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 from difftest.pipeline import RunResult
-from difftest.report.views import absent_params, fix_label, shared_config_verdict
+from difftest.report.views import absent_params, engine_summaries, fix_label, shared_config_verdict
 
 SCHEMA_VERSION = "1.0"
 SCHEMA_FILE = Path(__file__).with_name("schema.json")
@@ -32,14 +32,6 @@ def verdict_of(result: RunResult) -> str:
     # An audit error is a divergence too: the serving draft would compute something else
     # (other layers, other ids) even where these two runs, fed the same inputs, agree.
     return "PARITY" if result.diagnosis is None else "DIVERGED"
-
-
-def comparisons(report: dict) -> dict[str, dict]:
-    """Each serving engine's comparison with training, by engine name, whatever the report's
-    shape: one comparison, or a set of them."""
-    if "comparisons" in report:
-        return report["comparisons"]
-    return {report["engines"]["candidate"]["name"]: report}
 
 
 def build_set_report(reports: dict[str, dict], command: list[str] | None = None) -> dict:
@@ -351,18 +343,9 @@ def render_set_markdown(report: dict) -> str:
     lines = [f"# difftest report: {report['verdict']}", "", f"**{verdict_line(report)}**", "",
              "| serving engine | verdict | predicted accept length | first divergence | root cause | its cost |",
              "|---|---|---|---|---|---|"]
-    for name, rep in report["comparisons"].items():
-        acc = rep.get("acceptance") or {}
-        length = (f"{acc['candidate']['mean_accept_length']:.3f} ({acc['reference']['engine']} "
-                  f"{acc['reference']['mean_accept_length']:.3f})" if acc.get("candidate") else "not simulated")
-        first = (rep.get("first_divergence") or {}).get("probe") or "-"
-        diag = rep.get("diagnosis") or {}
-        head = (diag.get("ranked") or [{}])[0]
-        cost = head.get("cost_accept_length")
-        cost_text = ("-" if not diag else "not measured" if cost is None else
-                     "nothing measurable" if head.get("within_tolerance") else f"{cost:+.3f}")
-        lines.append(f"| [{name}](#{name}) | {rep['verdict']} | {length} | {first} | "
-                     f"{'`' + diag['cause'] + '`' if diag else '-'} | {cost_text} |")
+    for row in engine_summaries(report):
+        lines.append(f"| [{row.engine}](#{row.engine}) | {row.verdict} | {row.accept_length} | {row.first_divergence} | "
+                     f"{'`' + row.cause + '`' if row.cause else '-'} | {row.cost} |")
     lines.append("")
     for name, rep in report["comparisons"].items():
         body = render_markdown(rep).splitlines()

@@ -10,7 +10,7 @@ import json
 import shlex
 
 from difftest.probes import PROBES, ProbeKind
-from difftest.report.views import absent_params, fix_label, shared_config_verdict
+from difftest.report.views import absent_params, comparisons, engine_summaries, fix_label, shared_config_verdict
 
 # An exact zero has no place on a log axis; draw it at the bottom edge and say so.
 LOG_FLOOR = 1e-12
@@ -175,16 +175,10 @@ def _banner(report: dict, sub: str, anchor: str) -> str:
     verdict = report["verdict"]
     # The banner's weight follows the cost: a headline that costs nothing measurable is a
     # difference to read, not a collapse.
-    heads = [(rep.get("diagnosis") or {}).get("ranked") or [{}] for rep in _comparisons(report).values()
+    heads = [(rep.get("diagnosis") or {}).get("ranked") or [{}] for rep in comparisons(report).values()
              if rep.get("diagnosis")]
     weight = " free" if heads and all(h[0].get("within_tolerance") for h in heads) else ""
     return f"<div class='banner {_e(verdict)}{weight}' id='{anchor}'>{_e(verdict)}<small>{_e(sub)}</small></div>"
-
-
-def _comparisons(report: dict) -> dict[str, dict]:
-    from difftest.report.build import comparisons
-
-    return comparisons(report)
 
 
 def render_html(report: dict) -> str:
@@ -206,15 +200,12 @@ def render_set_html(report: dict) -> str:
     engine's name (ids prefixed with it, so each section's anchors stay its own)."""
     from difftest.report.build import causes_text, verdict_line
 
-    rows = []
-    for name, rep in report["comparisons"].items():
-        acc = rep.get("acceptance") or {}
-        rows.append([f"<a href='#{_e(name)}'>{_e(name)}</a>", _e(rep["verdict"]),
-                     f"{acc['candidate']['mean_accept_length']:.3f}" if acc.get("candidate") else "not simulated",
-                     _e((rep.get("first_divergence") or {}).get("probe") or "-"), _e(causes_text(rep) or "-")])
+    rows = [[f"<a href='#{_e(r.engine)}'>{_e(r.engine)}</a>", _e(r.verdict), _e(r.accept_length),
+             _e(r.first_divergence), f"<code>{_e(r.cause)}</code>" if r.cause else "-", _e(r.cost)]
+            for r in engine_summaries(report)]
     parts = [_banner(report, verdict_line(report).split(": ", 1)[-1], "verdict"), "<main>",
              "<h2>Serving engines</h2>" + _table(["serving engine", "verdict", "predicted accept length",
-                                                 "first divergence", "causes"], rows,
+                                                 "first divergence", "root cause", "its cost"], rows,
                                                 cell_classes=lambda i, j, c: "pass" if j == 1 and c == "PARITY" else
                                                 ("fail" if j == 1 else ""))]
     for name, rep in report["comparisons"].items():

@@ -23,8 +23,8 @@ import torch
 
 from difftest.checkpoint import Checkpoint, CheckpointFormat
 from difftest.convert import legacy_config, legacy_name
-from difftest.engines.base import (DROP, CapturePlan, ChainRun, EngineRun, TargetCapture, LoadLedger, ParamFate, RunOptions,
-                                   TensorFate, apply_config_edit)
+from difftest.engines.base import (CapturePlan, ChainRun, EngineRun, TargetCapture, LoadLedger, ParamFate, RunOptions,
+                                   TensorFate, apply_config_edits, renamed)
 from difftest.errors import InputError
 from difftest.engines.hooks import ProbeRecorder
 from difftest.engines.sglang_engine.runtime import ensure_runtime
@@ -109,9 +109,7 @@ def serving_config(checkpoint: Checkpoint, options: RunOptions | None = None) ->
         conv = legacy_config(checkpoint.config)
         cfg, notes = conv.config, conv.notes
     if options is not None:
-        for path, value in options.serving.config_edits:
-            apply_config_edit(cfg, path, value)
-            notes[path] = "serving setup: dropped" if value is DROP else f"serving setup: set to {value!r}"
+        notes.update(apply_config_edits(cfg, options.serving.config_edits))
     return cfg, notes
 
 
@@ -144,10 +142,7 @@ def write_served_copy(checkpoint: Checkpoint, out: "Path", options: RunOptions) 
 def serving_tensors(checkpoint: Checkpoint, renames: tuple[tuple[str, str], ...] = ()):
     rename = checkpoint.format is CheckpointFormat.SPECULATORS
     for name, tensor in checkpoint.tensors():
-        served = name
-        for old, new in renames:
-            if served.startswith(old):
-                served = new + served[len(old):]
+        served = renamed(name, renames)
         yield (legacy_name(served) if rename else served), name, tensor
 
 

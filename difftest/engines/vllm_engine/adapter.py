@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from difftest.checkpoint import Checkpoint
-from difftest.engines.base import (DROP, CapturePlan, ChainRun, EngineRun, LoadLedger, ParamFate, RunOptions,
-                                   TargetCapture, TensorFate, apply_config_edit)
+from difftest.engines.base import (CapturePlan, ChainRun, EngineRun, LoadLedger, ParamFate, RunOptions, TargetCapture,
+                                   TensorFate, apply_config_edits, renamed)
 from difftest.engines.venv_bridge import REPO_ROOT, WorkerFailed, bridge_for
 from difftest.errors import InputError
 from difftest.states import CapturedStates
@@ -87,19 +87,12 @@ def served_copy(checkpoint: Checkpoint, out: Path, options: RunOptions) -> dict[
     from safetensors.torch import save_file
 
     out.mkdir(parents=True)
-    cfg, notes = copy.deepcopy(checkpoint.config), {}
-    for path, value in options.serving.config_edits:
-        apply_config_edit(cfg, path, value)
-        notes[path] = "serving setup: dropped" if value is DROP else f"serving setup: set to {value!r}"
+    cfg = copy.deepcopy(checkpoint.config)
+    notes = apply_config_edits(cfg, options.serving.config_edits)
     (out / "config.json").write_text(json.dumps(cfg))
     if options.serving.key_renames:
-        renamed = {}
-        for name, tensor in checkpoint.tensors():
-            for old, new in options.serving.key_renames:
-                if name.startswith(old):
-                    name = new + name[len(old):]
-            renamed[name] = tensor.contiguous()
-        save_file(renamed, str(out / "model.safetensors"))
+        save_file({renamed(name, options.serving.key_renames): tensor.contiguous()
+                   for name, tensor in checkpoint.tensors()}, str(out / "model.safetensors"))
     else:
         for f in checkpoint.weight_files():
             os.symlink(f.resolve(), out / f.name)
