@@ -19,7 +19,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 EXIT_PARITY, EXIT_DIVERGED, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 # What a shell reports for a process stopped by SIGINT (128 + 2).
 EXIT_INTERRUPTED = 130
-# One default-fixture report on a 2-core host, for the progress estimate (benchmarks/first_run.py).
+# One default-fixture report against one serving engine on a 2-core host, for the progress
+# estimate (benchmarks/verdict_overhead.py: 47.8 s on SGLang alone, 66 s on SGLang and vLLM).
 REPORT_ESTIMATE_S = 45.0
 
 
@@ -160,7 +161,8 @@ def report(
 
                 from difftest.fixturegen.default import default_fixture
 
-                tracker.extend([PlannedStep("report:speculators", "report (speculators format)", REPORT_ESTIMATE_S)])
+                tracker.extend([PlannedStep("report:speculators", "report (speculators format)",
+                                            REPORT_ESTIMATE_S * len(engines))])
                 fx = default_fixture(tracker=tracker)
                 target, states = target or fx.target, states or fx.states
                 # The training checkpoint as trained, against the fixture's deployment: the
@@ -288,7 +290,8 @@ def _report_one(ckpt, target, states, dtype, device, out_dir, max_tokens, servin
     # Bad input fails inside prepare, before any progress line: its error stays the only line.
     inputs = pipeline.prepare(ckpt, target, states, max_tokens=max_tokens, allow_pickle=allow_pickle, device=device)
     name = f"report:{inputs.checkpoint.format.value}"
-    tracker.extend([PlannedStep(name, f"report ({inputs.checkpoint.format.value} format)", REPORT_ESTIMATE_S)])
+    tracker.extend([PlannedStep(name, f"report ({inputs.checkpoint.format.value} format)",
+                                REPORT_ESTIMATE_S * len(serving))])
     tracker.start(name)
     results = pipeline.run_set(inputs, serving, dtype=dtype or inputs.checkpoint.stored_dtype(), device=device,
                                audit_config=audit_config, on_step=tracker.note, **(analysis or {}))
