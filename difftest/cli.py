@@ -112,7 +112,7 @@ def report(
     training_run: Optional[Path] = typer.Option(None, help="the training run's output directory (or its saved checkpoint): "
                                                 "when acceptance falls below training's, the checkpoint is compared with it"),
     serve: Optional[Path] = typer.Option(None, help="the served draft directory, exactly as deployed (needs --launch or --launch-file)"),
-    launch: Optional[str] = typer.Option(None, help="the SGLang launch command that serves it, as one string"),
+    launch: Optional[str] = typer.Option(None, help="the launch command that serves it, as one string: `python -m sglang.launch_server ...` or `vllm serve ...`"),
     launch_file: Optional[Path] = typer.Option(None, help="a file holding the launch command (relative paths in it resolve against its directory)"),
     serving_engines: str = typer.Option("sglang,vllm", "--serving", envvar="DIFFTEST_SERVING",
                                         help="the serving engines to compare with training, comma-separated: sglang, "
@@ -130,9 +130,8 @@ def report(
         fail(str(exc))
 
     engines = parse_serving(serving_engines)
-    if deployment is not None and "sglang" not in engines:
-        fail("--serve/--launch describe an SGLang deployment (vLLM's launch command is not read yet); "
-             "add sglang to --serving")
+    if deployment is not None and deployment.engine not in engines:
+        fail(f"{deployment.source} starts a {deployment.engine} server; add {deployment.engine} to --serving")
     torch_dtype = parse_dtype(dtype)
     if device.split(":")[0] not in ("cpu", "cuda"):
         fail(f"--device must be cpu or cuda, got {device!r}")
@@ -195,9 +194,10 @@ def report(
                 fail("--serve-without-aux-capture and --serve-lm-head-from-target simulate a deployment; with --serve "
                      "the launch command decides both")
             setup = ServingSetup(aux_capture=not serve_without_aux_capture, lm_head_from_target=serve_lm_head_from_target)
-            # The launch command is SGLang's: SGLang serves the deployment; another engine serves the
-            # training checkpoint the way that engine reads it (its adapter says how).
-            serving = {name: dataclasses.replace(setup, deployment=deployment if name == "sglang" else None)
+            # The engine whose server the launch starts serves the deployment; another engine serves
+            # the training checkpoint the way that engine reads it (its adapter says how).
+            serving = {name: dataclasses.replace(setup, deployment=deployment if deployment is not None
+                                                 and name == deployment.engine else None)
                        for name in engines}
             codes = []
             for ckpt, out_dir in jobs:
@@ -241,15 +241,16 @@ def read_deployment(serve: Path | None, launch: str | None, launch_file: Path | 
             raise InputError("--launch/--launch-file describe how --serve DIR is served; give --serve too")
         return None
     if (launch is None) == (launch_file is None):
-        raise InputError("--serve needs exactly one of --launch \"python -m sglang.launch_server ...\" or --launch-file FILE")
+        raise InputError("--serve needs exactly one of --launch \"python -m sglang.launch_server ...\" (or \"vllm serve "
+                         "...\") or --launch-file FILE")
     if not serve.is_dir():
         raise InputError(f"--serve {serve}: not a directory")
     if not (serve / "config.json").is_file():
-        raise InputError(f"--serve {serve}: no config.json (a served draft directory holds the config SGLang reads)")
+        raise InputError(f"--serve {serve}: no config.json (a served draft directory holds the config the serving engine reads)")
     from difftest.checkpoint import check_weight_files
 
     # The weight files as the serving loader picks them (through the index): a shard it names
-    # but that is missing is refused here, before any engine starts. The config is SGLang's to read.
+    # but that is missing is refused here, before any engine starts. The config is the engine's to read.
     check_weight_files(serve)
     if launch_file is not None:
         try:
@@ -264,7 +265,13 @@ def read_deployment(serve: Path | None, launch: str | None, launch_file: Path | 
         raise InputError(f"{source}: cannot split the command as a shell would ({exc})") from None
     if not argv:
         raise InputError(f"{source}: empty launch command")
-    return Deployment(serve.resolve(), tuple(argv), base, source)
+    from difftest.engines import launch_engine
+
+    engine = launch_engine(tuple(argv))
+    if engine is None:
+        raise InputError(f"{source}: names no serving engine's server (expected `python -m sglang.launch_server ...`, "
+                         f"`sglang serve ...` or `vllm serve ...`): {' '.join(argv)[:120]}")
+    return Deployment(serve.resolve(), tuple(argv), base, source, engine)
 
 
 def _read_training_metrics(path: Path) -> dict:

@@ -216,9 +216,10 @@ RULES: tuple[Rule, ...] = (
                       "or missing, so the served draft computes with other weights than the trained one."),
          fix="Re-convert the training checkpoint (difftest convert TRAIN_CKPT OUT) instead of editing the served copy."),
     Rule("served_dtype_differs", findings=("served_dtype_differs",),
-         explanation=("The launch command runs the draft at another precision than the checkpoint training saved "
-                      "(--dtype, or auto resolved from the served config: an fp32 config is served in fp16)."),
-         fix="Launch with --dtype set to the checkpoint's dtype (difftest convert prints it)."),
+         explanation=("The launch command runs the draft at another precision than the checkpoint training saved: "
+                      "--dtype, or auto as the engine resolves it (SGLang from the served config, where an fp32 config "
+                      "is served in fp16; vLLM gives the draft the target's dtype)."),
+         fix="Launch with --dtype set to the checkpoint's dtype (the evidence names it)."),
     Rule("shipped_embedding_replaced", findings=("shipped_embedding_replaced",), probes=("embed",),
          explanation=("The checkpoint ships an embedding of its own, not the target's. One engine uses the shipped "
                       "tensor, the other replaces it with the target's embedding (SGLang's EAGLE worker calls "
@@ -230,13 +231,15 @@ RULES: tuple[Rule, ...] = (
     Rule("norm_before_residual_ignored", findings=("norm_before_residual_ignored",),
          explanation=("The draft was trained with norm_before_residual=true and the serving engine does not honor it "
                       "(measured by the config audit), so the residual stream after attention differs."),
-         fix="Train with norm_before_residual=false for SGLang, or use a serving build that honors norm_before_residual."),
+         fix=("Train with norm_before_residual=false for SGLang 0.5.23, or serve on an engine that honors it: vLLM 0.32.0 "
+              "does (its config audit measures it), or a later SGLang build.")),
     Rule("norm_before_residual_ignored", probes=("layer0.post_attn_residual",),
          explanation=(
              "The residual stream after attention differs while attention itself agrees: the draft was trained "
              "with norm_before_residual=true (the residual is the normed hidden state), and the serving engine "
              "adds the un-normed hidden state."),
-         fix="Train with norm_before_residual=false for SGLang, or use a serving build that honors norm_before_residual."),
+         fix=("Train with norm_before_residual=false for SGLang 0.5.23, or serve on an engine that honors it: vLLM 0.32.0 "
+              "does (its config audit measures it), or a later SGLang build.")),
     Rule("embedding_precision", probes=("embed",), rounding_only=True,
          explanation=(
              "The embeddings differ only by rounding: the checkpoint carries a low-precision copy of the target's "

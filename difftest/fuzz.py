@@ -44,14 +44,29 @@ def head_dims_for(serving: str) -> tuple[int, ...]:
     return tuple(supported[:2]) if supported else SMALL_HEAD_DIMS
 
 
+AUX_COUNTS = (1, 2, 3, 4)
+
+
+def aux_counts_for(serving: str) -> tuple[int, ...]:
+    """Aux-layer counts to draw from. An engine that loads only some counts (its adapter's
+    `served_aux_counts`: a known divergence, already a regression) gets those three times as
+    often, so most draws reach its forward and can find a silent divergence; the others stay
+    in, so the refusal itself is still drawn."""
+    from difftest.pipeline import candidate_adapter
+
+    served = getattr(candidate_adapter(serving), "served_aux_counts", None)
+    return AUX_COUNTS if not served else tuple(served) * 3 + tuple(c for c in AUX_COUNTS if c not in served)
+
+
 @st.composite
-def cases(draw, serving: str = "sglang", head_dims: tuple[int, ...] = SMALL_HEAD_DIMS) -> dict:
+def cases(draw, serving: str = "sglang", head_dims: tuple[int, ...] = SMALL_HEAD_DIMS,
+          aux_counts: tuple[int, ...] = AUX_COUNTS) -> dict:
     heads = draw(st.sampled_from([2, 4]))
     kv_heads = draw(st.sampled_from([h for h in (1, 2, 4) if heads % h == 0]))
     head_dim = draw(st.sampled_from(list(head_dims)))
     hidden = draw(st.sampled_from([32, 64]))
     vocab = draw(st.sampled_from([128, 256]))
-    num_aux = draw(st.integers(1, 4))
+    num_aux = draw(st.integers(1, 4) if aux_counts == AUX_COUNTS else st.sampled_from(list(aux_counts)))
     aux_ids = sorted(draw(st.sets(st.integers(0, TARGET_LAYERS), min_size=num_aux, max_size=num_aux)))
     norm_before_fc = draw(st.booleans())
     return {
@@ -245,7 +260,7 @@ class FuzzSummary:
 
 
 def strategy_for(serving: str = "sglang", dtype: str | None = None):
-    drawn = cases(serving, head_dims_for(serving))
+    drawn = cases(serving, head_dims_for(serving), aux_counts_for(serving))
     return drawn if dtype is None else drawn.map(lambda c: c | {"dtype": dtype})
 
 

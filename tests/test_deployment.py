@@ -100,7 +100,7 @@ def test_a_launch_flag_sglang_does_not_know_is_exit_2_naming_it(tmp_path):
     (lambda ws: ws.set_launch_flag("--speculative-draft-model-path", str(ws.checkpoint)), "is not the served directory"),
     (lambda ws: ws.launch.__delitem__(slice(ws.launch.index("--speculative-algorithm"),
                                             ws.launch.index("--speculative-algorithm") + 2)), "no --speculative-algorithm"),
-    (lambda ws: ws.launch.__setitem__(slice(0, 3), ["python", "serve.py"]), "not an SGLang launch command"),
+    (lambda ws: ws.launch.__setitem__(slice(0, 3), ["python", "serve.py"]), "names no serving engine's server"),
 ])
 def test_a_launch_that_does_not_serve_this_directory_is_exit_2(tmp_path, edit, words):
     ws = _deployed_workspace(tmp_path / "ws")

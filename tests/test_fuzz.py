@@ -51,3 +51,16 @@ KNOWN = [pytest.param(d, id=n, marks=pytest.mark.xfail(strict=True, reason=KNOWN
 def test_engines_agree_on_a_known_upstream_divergence(doc):
     # Expected to fail until the engines agree; strict, so a fix upstream is noticed.
     assert run_case(doc["case"]).verdict == "PARITY"
+
+
+def test_an_engine_that_loads_some_aux_counts_is_fuzzed_mostly_with_those():
+    """vLLM loads only 3-aux speculators drafts (a known divergence, kept as a regression): its
+    draws lean to 3 so most reach its forward, and still include the counts it refuses."""
+    from collections import Counter
+
+    from difftest.fuzz import AUX_COUNTS, aux_counts_for
+
+    drawn = Counter(aux_counts_for("vllm"))
+    assert set(drawn) == set(AUX_COUNTS)
+    assert drawn[3] > sum(n for count, n in drawn.items() if count != 3) / 2 and drawn.most_common(1)[0][0] == 3
+    assert aux_counts_for("sglang") == AUX_COUNTS

@@ -15,7 +15,7 @@ import torch
 from difftest.audit.findings import Finding, Severity
 from difftest.checkpoint import Checkpoint, declared_window
 from difftest.convert import DTYPE_FLAG, legacy_name, speculators_name
-from difftest.engines.base import DeploymentPlan, LoadLedger
+from difftest.engines.base import DeploymentPlan, LaunchFlag, LaunchRole, LoadLedger
 
 CHECK_TENSORS = "served"
 CHECK_LAUNCH = "launch"
@@ -83,7 +83,9 @@ def config_rows(training: Checkpoint, served: Checkpoint) -> list[dict]:
     the measured config audit's question; this table is the whole picture."""
     from difftest.convert import converted_config
 
-    expected = converted_config(training)
+    # A served directory in training's own format (vLLM serves speculators' as it is) is held
+    # to training's config; one in the legacy layout, to the config a correct conversion writes.
+    expected = training.config if served.format is training.format else converted_config(training)
     got = served.config
     rows = []
     for key in sorted(set(expected) | set(got)):
@@ -108,26 +110,29 @@ def _hot_ids(served: Checkpoint) -> torch.Tensor | None:
 
 def check_launch(plan: DeploymentPlan, reference_dtype: torch.dtype, training: Checkpoint,
                  served: Checkpoint) -> tuple[list[dict], list[Finding]]:
+    """The launch's settings, read by role (each engine names its own flags), against what an
+    EAGLE-3 draft trained this way needs."""
     rows = [f.as_row() for f in plan.flags]
     findings: list[Finding] = []
-    by_flag = {f.flag: f for f in plan.flags}
-    algorithm = str(by_flag["--speculative-algorithm"].value)
-    if algorithm != "EAGLE3":
+    algorithm = plan.by_role(LaunchRole.ALGORITHM)
+    eagle3 = algorithm is None or algorithm.value == algorithm.expected
+    if not eagle3:
         findings.append(Finding(CHECK_LAUNCH, "speculative_algorithm_not_eagle3", Severity.ERROR,
-                                f"--speculative-algorithm {algorithm} for an EAGLE-3 draft: the target captures no aux "
-                                "layers and the worker replaces the draft's head with the target's",
-                                {"algorithm": algorithm, "undo": {"flag": "--speculative-algorithm", "value": "EAGLE3"}}))
+                                f"{algorithm.flag} {algorithm.value} for an EAGLE-3 draft (expected {algorithm.expected}): "
+                                f"{algorithm.effect}",
+                                {"algorithm": str(algorithm.value), "undo": _undo(algorithm)}))
+    dtype = plan.by_role(LaunchRole.DTYPE)
     if plan.dtype != reference_dtype:
         findings.append(Finding(CHECK_LAUNCH, "served_dtype_differs", Severity.ERROR,
                                 f"the launch runs the draft in {str(plan.dtype)[6:]}; training's checkpoint is "
                                 f"{str(reference_dtype)[6:]}", {"served": str(plan.dtype)[6:],
                                                                  "training": str(reference_dtype)[6:],
-                                                                 "undo": {"flag": "--dtype",
+                                                                 "undo": {"flag": dtype.flag if dtype else "--dtype",
                                                                           "value": DTYPE_FLAG[reference_dtype]}}))
-    override = by_flag.get("--json-model-override-args")
+    override = plan.by_role(LaunchRole.CONFIG_OVERRIDE)
     if override is not None:
-        findings += _override_findings(str(override.value), served)
-    token_map = by_flag.get("--speculative-token-map")
+        findings += _override_findings(override, served)
+    token_map = plan.by_role(LaunchRole.TOKEN_MAP)
     if token_map is not None:
         hot = torch.tensor(torch.load(str(token_map.value), weights_only=True), dtype=torch.int64).flatten()
         trained = _hot_ids(training)
@@ -136,29 +141,27 @@ def check_launch(plan: DeploymentPlan, reference_dtype: torch.dtype, training: C
                f"disagrees with the trained d2t ({hot.numel()} ids against "
                f"{'no d2t' if trained is None else trained.numel()})" if trained is None or hot.shape != trained.shape
                else f"disagrees with the trained d2t in {int((hot != trained).sum())} of {hot.numel()} ids")
-        if algorithm == "EAGLE3":
+        if eagle3:
             findings.append(Finding(CHECK_LAUNCH, "speculative_token_map_ignored", Severity.INFO,
-                                    f"--speculative-token-map {how}; SGLang's EAGLE3 worker ignores it "
-                                    "(init_token_map) and uses the served d2t", {"agrees": agree}))
+                                    f"{token_map.flag} {how}; {token_map.effect}", {"agrees": agree}))
         elif not agree:
             findings.append(Finding(CHECK_LAUNCH, "speculative_token_map_differs", Severity.ERROR,
-                                    f"--speculative-token-map {how}: the worker reads draft ids through it",
-                                    {"agrees": agree, "undo": {"flag": "--speculative-token-map", "value": None}}))
-    load_format = next(f for f in plan.flags if f.flag in ("--speculative-draft-load-format", "--load-format"))
-    if load_format.value == "dummy":
+                                    f"{token_map.flag} {how}: the worker reads draft ids through it",
+                                    {"agrees": agree, "undo": {"flag": token_map.flag, "value": None}}))
+    load_format = plan.by_role(LaunchRole.LOAD_FORMAT)
+    if load_format is not None and load_format.value == "dummy":
         findings.append(Finding(CHECK_LAUNCH, "draft_weights_random", Severity.ERROR,
-                                f"{load_format.flag} dummy: SGLang's DummyModelLoader fills every draft parameter with "
+                                f"{load_format.flag} dummy: the engine's dummy loader fills every draft parameter with "
                                 "random values and reads none of the served files",
-                                {"flag": load_format.flag, "undo": {"flag": load_format.flag, "value": None}}))
-    window = by_flag.get("--speculative-draft-window-size")
+                                {"flag": load_format.flag, "undo": _undo(load_format)}))
+    window = plan.by_role(LaunchRole.WINDOW)
     trained_window = declared_window(training.config)
     if window is not None and window.value != trained_window:
         findings.append(Finding(CHECK_LAUNCH, "draft_window_differs", Severity.ERROR,
-                                f"--speculative-draft-window-size {window.value}: the served draft attends to the last "
+                                f"{window.flag} {window.value}: the served draft attends to the last "
                                 f"{window.value} tokens only; training's config declares "
                                 + ("full attention" if trained_window is None else f"a window of {trained_window}"),
-                                {"served": window.value, "training": trained_window,
-                                 "undo": {"flag": window.flag, "value": None}}))
+                                {"served": window.value, "training": trained_window, "undo": _undo(window)}))
     for flag in plan.flags:
         if not flag.simulated:
             findings.append(Finding(CHECK_LAUNCH, "launch_flag_not_simulated", Severity.INFO,
@@ -167,13 +170,20 @@ def check_launch(plan: DeploymentPlan, reference_dtype: torch.dtype, training: C
     return rows, findings
 
 
-def _override_findings(value: str, served: Checkpoint) -> list[Finding]:
-    """SGLang's ModelConfig applies --json-model-override-args to the draft's config as well as
-    the target's: a field it changes is served with a value the directory does not hold."""
+def _undo(flag: LaunchFlag) -> dict:
+    """The command-line edit that puts this setting right: the adapter's, else dropping the flag."""
+    name, value = flag.set_right or (flag.flag, None)
+    return {"flag": name, "value": value}
+
+
+def _override_findings(flag: LaunchFlag, served: Checkpoint) -> list[Finding]:
+    """A launch override the engine applies to the draft's config as well as the target's
+    (the flag's effect says whose code does): a field it changes is served with a value the
+    directory does not hold."""
     import json
 
     try:
-        override = json.loads(value)
+        override = json.loads(str(flag.value))
     except json.JSONDecodeError:
         return []  # SGLang's own resolution refuses it first
     if not isinstance(override, dict):
@@ -182,7 +192,7 @@ def _override_findings(value: str, served: Checkpoint) -> list[Finding]:
     if not changed:
         return []
     return [Finding(CHECK_LAUNCH, "launch_override_reaches_draft", Severity.ERROR,
-                    f"--json-model-override-args sets {', '.join(f'{k}={v!r}' for k, v in changed.items())} on the "
-                    "draft's config too (SGLang's ModelConfig applies it to every model it builds); the served "
+                    f"{flag.flag} sets {', '.join(f'{k}={v!r}' for k, v in changed.items())} on the "
+                    f"draft's config too ({flag.effect}); the served "
                     f"config.json holds {', '.join(f'{k}={served.config.get(k)!r}' for k in changed)}",
-                    {"fields": sorted(changed), "undo": {"flag": "--json-model-override-args", "value": None}})]
+                    {"fields": sorted(changed), "undo": _undo(flag)})]

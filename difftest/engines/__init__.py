@@ -15,3 +15,10 @@ def adapter(name: str):
     path = {**TRAINING_ENGINES, **SERVING_ENGINES}[name]
     module, cls = path.split(":")
     return getattr(importlib.import_module(module), cls)()
+
+
+def launch_engine(argv: tuple[str, ...]) -> str | None:
+    """The serving engine whose server a launch command starts, by the program it names (each
+    adapter knows its own launchers); None when no engine claims it."""
+    claims = [name for name in SERVING_ENGINES if adapter(name).claims_launch(argv)]
+    return claims[0] if len(claims) == 1 else None

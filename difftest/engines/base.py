@@ -7,7 +7,7 @@ the names in `difftest.probes`. Nothing outside an adapter knows how its engine 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Protocol
@@ -48,6 +48,19 @@ def renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
     return name
 
 
+def launch_arguments(argv: tuple[str, ...], launchers: tuple[tuple[str, ...], ...]) -> list[str] | None:
+    """The arguments after the first of `launchers` (argv prefixes such as ("vllm", "serve"))
+    that the command names, past any `VAR=value` environment prefixes; None if it names none."""
+    args = list(argv)
+    while args and "=" in args[0] and not args[0].startswith("-"):
+        args.pop(0)
+    for i in range(len(args)):
+        for launcher in launchers:
+            if tuple(args[i:i + len(launcher)]) == launcher:
+                return args[i + len(launcher):]
+    return None
+
+
 @dataclass(frozen=True)
 class Deployment:
     """What the user actually serves: a draft directory and the serving engine's launch
@@ -58,6 +71,7 @@ class Deployment:
     launch_argv: tuple[str, ...]
     base_dir: Path
     source: str = "--launch"  # where the command came from, for messages
+    engine: str = "sglang"  # the serving engine whose server the command starts (engines.launch_engine)
 
     def with_flag(self, flag: str, value: str | None) -> "Deployment":
         """The same deployment launched with `flag` set to `value` (None: without the flag),
@@ -75,8 +89,8 @@ class Deployment:
             i += 1
         if value is not None:
             out += [flag, value]
-        return Deployment(self.served_dir, tuple(out), self.base_dir, f"{self.source}, with {flag} "
-                          + (value if value is not None else "removed"))
+        return replace(self, launch_argv=tuple(out),
+                       source=f"{self.source}, with {flag} " + (value if value is not None else "removed"))
 
     def with_served_dir(self, served_dir: Path, why: str) -> "Deployment":
         """The same command serving another directory: every argument that names the served
@@ -94,19 +108,38 @@ class Deployment:
             return str(served_dir) if names_served(token) else token
 
         argv = tuple(rewrite(t) for t in self.launch_argv)
-        return Deployment(Path(served_dir), argv, self.base_dir, f"{self.source}, serving {why}")
+        return replace(self, served_dir=Path(served_dir), launch_argv=argv, source=f"{self.source}, serving {why}")
+
+
+class LaunchRole(str, Enum):
+    """What a launch setting decides about the draft, whatever the engine calls it: the
+    deployment audit checks settings by role, so it reads no engine's flag names."""
+
+    ALGORITHM = "algorithm"  # which speculative method drives the draft
+    DTYPE = "dtype"
+    CHAIN = "chain"  # draft steps per round
+    LOAD_FORMAT = "load_format"  # how the draft's weights are read
+    WINDOW = "window"  # the draft's attention window
+    TOKEN_MAP = "token_map"  # a hot-token map given beside the checkpoint
+    CONFIG_OVERRIDE = "config_override"  # config fields the launch overrides for the draft
+    OTHER = "other"
 
 
 @dataclass(frozen=True)
 class LaunchFlag:
     """One launch setting that changes what the draft computes, as the engine resolved it."""
 
-    flag: str
+    flag: str  # as the user writes it (a JSON field of a flag: `--flag field`)
     value: object
     effect: str  # what it changes in the draft's computation
     given: bool = True  # set on the command line (False: the engine's default)
     simulated: bool = True  # run here as the server would run it
     instead: str = ""  # when not simulated: what difftest ran instead, and why
+    role: LaunchRole = LaunchRole.OTHER
+    # The value a correct EAGLE-3 deployment has, where one value is right whatever was trained
+    # (the algorithm), and the command-line edit that sets it: (flag, value; None drops the flag).
+    expected: object = None
+    set_right: tuple[str, str | None] | None = None
 
     @property
     def how_run(self) -> str:
@@ -114,7 +147,8 @@ class LaunchFlag:
 
     def as_row(self) -> dict:
         value = self.value if isinstance(self.value, (int, float, str, bool, type(None), list)) else str(self.value)
-        return dict(self.__dict__, value=value, how_run=self.how_run)
+        row = {k: v for k, v in self.__dict__.items() if k not in ("expected", "set_right")}
+        return dict(row, value=value, how_run=self.how_run, role=self.role.value)
 
 
 @dataclass
@@ -127,6 +161,9 @@ class DeploymentPlan:
     served_config: dict = field(default_factory=dict)  # as the engine's own config code read it
     served_config_file: str | None = None  # read in place of the served directory's config.json
     notes: list[str] = field(default_factory=list)
+
+    def by_role(self, role: LaunchRole) -> LaunchFlag | None:
+        return next((f for f in self.flags if f.role is role), None)
 
     def as_dict(self) -> dict:
         return {"dtype": str(self.dtype).removeprefix("torch."), "chain_steps": self.chain_steps,
@@ -287,6 +324,10 @@ class EngineAdapter(Protocol):
         `chain_states`, when given, are what this engine's own target would hand the draft at
         serving time (they differ from `states` when its capture differs from training's):
         the chain is drafted from them, the probes from `states`."""
+        ...
+
+    def claims_launch(self, argv: tuple[str, ...]) -> bool:
+        """For a serving engine: whether this launch command starts its server."""
         ...
 
     def deployment_plan(self, checkpoint: Checkpoint, target: TargetWeights, options: RunOptions) -> DeploymentPlan | None:

@@ -24,7 +24,7 @@ import torch
 from difftest.checkpoint import Checkpoint, CheckpointFormat
 from difftest.convert import legacy_config, legacy_name
 from difftest.engines.base import (CapturePlan, ChainRun, EngineRun, TargetCapture, LoadLedger, ParamFate, RunOptions,
-                                   TensorFate, apply_config_edits, renamed)
+                                   TensorFate, apply_config_edits, launch_arguments, renamed)
 from difftest.errors import InputError
 from difftest.engines.hooks import ProbeRecorder
 from difftest.engines.sglang_engine.runtime import ensure_runtime
@@ -244,6 +244,11 @@ class SGLangAdapter:
         plan.hf_layer_ids = sorted(layers)
         steps.append(f"captured at the input of each listed layer, in layer order: hidden_states{plan.hf_layer_ids}")
         return plan
+
+    def claims_launch(self, argv: tuple[str, ...]) -> bool:
+        from difftest.engines.sglang_engine.launch import LAUNCHERS, bare_arguments
+
+        return launch_arguments(argv, LAUNCHERS) is not None or bare_arguments(argv)
 
     def deployment_plan(self, checkpoint: Checkpoint, target: TargetWeights, options: RunOptions):
         if options.serving.deployment is None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from difftest.engines.base import Deployment, DeploymentPlan, LaunchFlag
+from difftest.engines.base import Deployment, DeploymentPlan, LaunchFlag, LaunchRole, launch_arguments
 from difftest.errors import InputError, ServingRefused
 
 # The ways a launch command names SGLang's server, as argv prefixes.
@@ -48,17 +48,20 @@ class ResolvedLaunch:
 def server_arguments(argv: tuple[str, ...], source: str) -> list[str]:
     """The arguments after the launcher: `[ENV=..] python -m sglang.launch_server ARGS`,
     `sglang serve ARGS`, or ARGS alone."""
-    args = list(argv)
-    while args and "=" in args[0] and not args[0].startswith("-"):
-        args.pop(0)  # VAR=value prefixes set the environment, not server arguments
-    for i in range(len(args)):
-        for launcher in LAUNCHERS:
-            if tuple(args[i:i + len(launcher)]) == launcher:
-                return args[i + len(launcher):]
-    if args and args[0].startswith("-"):
+    args = launch_arguments(argv, LAUNCHERS)
+    if args is not None:
         return args
+    if bare_arguments(argv):
+        return list(argv)[next(i for i, t in enumerate(argv) if t.startswith("-")):]
     raise InputError(f"{source}: not an SGLang launch command (expected `python -m sglang.launch_server ...`, "
                      f"`sglang serve ...` or its arguments alone): {' '.join(argv)[:120]}")
+
+
+def bare_arguments(argv: tuple[str, ...]) -> bool:
+    """A command that names no program, only flags (after any `VAR=value` prefixes): read as
+    SGLang's, as it always was."""
+    first = next((t for t in argv if not ("=" in t and not t.startswith("-"))), "")
+    return first.startswith("-")
 
 
 @functools.cache
@@ -179,11 +182,13 @@ def deployment_plan(deployment: Deployment, target_path: Path, device: str, refe
                    "EAGLE3: the target captures the draft's aux layers and the draft keeps its own head; EAGLE: no aux "
                    "capture (one target layer, fc skipped) and the target's head replaces the draft's",
                    "speculative_algorithm" in given, simulated=algorithm in ("EAGLE", "EAGLE3"),
-                   instead="difftest runs EAGLE/EAGLE3 drafts only"),
+                   instead="difftest runs EAGLE/EAGLE3 drafts only", role=LaunchRole.ALGORITHM, expected="EAGLE3",
+                   set_right=("--speculative-algorithm", "EAGLE3")),
         LaunchFlag("--dtype", str(draft_config.dtype).removeprefix("torch."),
-                   "the draft's weights and activations dtype (auto: the served config's torch_dtype)", "dtype" in given),
+                   "the draft's weights and activations dtype (auto: the served config's torch_dtype)", "dtype" in given,
+                   role=LaunchRole.DTYPE),
         LaunchFlag("--speculative-num-steps", steps, "how many chained draft steps each round proposes (the chain "
-                   "length of the predicted acceptance)", "speculative_num_steps" in given),
+                   "length of the predicted acceptance)", "speculative_num_steps" in given, role=LaunchRole.CHAIN),
         LaunchFlag("--speculative-eagle-topk", topk, "branches per draft step (a tree above 1)",
                    "speculative_eagle_topk" in given, simulated=topk <= SIMULATED_TOPK,
                    instead=f"SGLang's tree drafting (topk {topk}) runs GPU-only kernels; difftest simulates "
@@ -194,12 +199,13 @@ def deployment_plan(deployment: Deployment, target_path: Path, device: str, refe
                    "speculative_draft_load_format" in given or "load_format" in given,
                    simulated=load_format in SIMULATED_LOAD_FORMATS,
                    instead=f"difftest reads the served files with SGLang's DefaultModelLoader (auto): the {load_format} "
-                   "loader needs files or services a served directory does not hold here"),
+                   "loader needs files or services a served directory does not hold here", role=LaunchRole.LOAD_FORMAT),
     ]
     if window is not None:
         flags.append(LaunchFlag("--speculative-draft-window-size", int(window),
                                 "the draft's attention sees only this many previous tokens (LlamaForCausalLMEagle3 sets "
-                                "it on every layer); the served config's sliding_window is not read", True))
+                                "it on every layer); the served config's sliding_window is not read", True,
+                                role=LaunchRole.WINDOW))
     if resolved.enable_multi_layer_eagle:
         flags.append(LaunchFlag("--enable-multi-layer-eagle", True,
                                 "another worker (MultiLayerEagleWorkerV2) drives the draft", True, simulated=False,
@@ -210,18 +216,21 @@ def deployment_plan(deployment: Deployment, target_path: Path, device: str, refe
                                 "replaces the served directory's config.json for the draft", True))
     if resolved.speculative_token_map is not None:
         flags.append(LaunchFlag("--speculative-token-map", resolved.speculative_token_map,
-                                "EAGLE: the draft vocab's target ids (the target head's rows kept); EAGLE3: ignored by "
-                                "the worker (init_token_map), the served d2t is used"))
+                                "SGLang's EAGLE3 worker ignores it (init_token_map) and uses the served d2t; its EAGLE "
+                                "worker reads draft ids through it (the target head's rows kept)",
+                                role=LaunchRole.TOKEN_MAP))
     for dest, flag, effect in (("speculative_draft_model_quantization", "--speculative-draft-model-quantization",
                                 "the draft's weights quantized"),
                                ("quantization", "--quantization", "the target's (and by default the draft's) weights quantized"),
                                ("kv_cache_dtype", "--kv-cache-dtype", "the draft's attention reads a KV cache at this dtype"),
                                ("json_model_override_args", "--json-model-override-args",
-                                "config fields overridden for the target and the draft (applied by SGLang's ModelConfig)")):
+                                "SGLang's ModelConfig applies it to every model it builds, the draft included")):
         value = getattr(resolved, dest, None)
         if dest in given and value not in (None, "", "auto", "{}"):
-            flags.append(LaunchFlag(flag, value, effect, True, simulated=dest == "json_model_override_args",
-                                    instead="difftest runs the draft unquantized at --dtype with a KV cache at that dtype"))
+            override = dest == "json_model_override_args"
+            flags.append(LaunchFlag(flag, value, effect, True, simulated=override,
+                                    instead="difftest runs the draft unquantized at --dtype with a KV cache at that dtype",
+                                    role=LaunchRole.CONFIG_OVERRIDE if override else LaunchRole.OTHER))
     if draft_config.dtype != reference_dtype:
         notes.append(f"the draft runs in {flags[1].value}; training's reference runs in "
                      f"{str(reference_dtype).removeprefix('torch.')}")

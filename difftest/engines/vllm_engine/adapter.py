@@ -11,6 +11,7 @@ registry. A serving setup that edits the config or renames keys serves a scratch
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -21,8 +22,9 @@ from pathlib import Path
 import torch
 
 from difftest.checkpoint import Checkpoint
-from difftest.engines.base import (CapturePlan, ChainRun, EngineRun, LoadLedger, ParamFate, RunOptions, TargetCapture,
-                                   TensorFate, apply_config_edits, renamed)
+from difftest.engines.base import (CapturePlan, ChainRun, Deployment, DeploymentPlan, EngineRun, LaunchFlag, LaunchRole,
+                                   LoadLedger, ParamFate, RunOptions, TargetCapture, TensorFate, apply_config_edits,
+                                   launch_arguments, renamed)
 from difftest.engines.venv_bridge import REPO_ROOT, WorkerFailed, bridge_for
 from difftest.errors import InputError
 from difftest.states import CapturedStates
@@ -130,27 +132,74 @@ class VLLMAdapter:
     # The head sizes vLLM's CPU attention backend runs (CPUAttentionBackend.get_supported_head_sizes);
     # a draft with another one cannot run on a CPU, which says nothing about a GPU server.
     cpu_head_dims = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+    # The aux-layer counts its loader accepts from a speculators draft: fc is sized from
+    # num_aux_hidden_states, else eagle_config's ids, else 3 (the known divergence
+    # aux_layer_count_not_read). Fuzzing draws these most.
+    served_aux_counts = (3,)
+
+    # The ways a launch command names vLLM's server, as argv prefixes.
+    launchers = (("vllm", "serve"), ("-m", "vllm.entrypoints.cli.main", "serve"),
+                 ("-m", "vllm.entrypoints.openai.api_server"))
+
+    def claims_launch(self, argv: tuple[str, ...]) -> bool:
+        return launch_arguments(argv, self.launchers) is not None
 
     def deployment_plan(self, checkpoint, target, options):
-        if options.serving.deployment is not None:
-            raise InputError("--serve/--launch are read by SGLang's server-argument parser; a vLLM launch command "
-                             "is not read yet: run vLLM on difftest's served copy (omit --serve/--launch)")
-        return None
+        """The user's `vllm serve` command, read by vLLM's own parser in its venv."""
+        deployment = options.serving.deployment
+        if deployment is None:
+            return None
+        raw = _bridge().call("deployment_plan", self._params(deployment.served_dir, target, options,
+                                                            launch_dtype=True)).result
+        flags = [LaunchFlag(**{**f, "role": LaunchRole(f["role"]),
+                               "set_right": tuple(f["set_right"]) if f.get("set_right") else None})
+                 for f in raw["flags"]]
+        return DeploymentPlan(dtype=getattr(torch, raw["dtype"]), chain_steps=raw["chain_steps"], flags=flags,
+                              served_config=raw["served_config"], notes=self._launch(deployment)[1] + raw["notes"])
 
-    def _params(self, served: Path, target: TargetWeights, options: RunOptions, chain_steps: int = 0) -> dict:
-        if options.dtype not in DTYPE_NAMES:
-            raise InputError(f"vLLM's draft cannot run in {options.dtype}")
-        return {"target": str(Path(target.path).resolve()), "served_dir": str(served.resolve()),
-                "dtype": DTYPE_NAMES[options.dtype], "device": options.device, "max_model_len": None,
-                "num_speculative_tokens": max(chain_steps, 1), "chain_steps": chain_steps}
+    def _launch(self, deployment: Deployment) -> tuple[dict, list[str]]:
+        """The command's arguments after vLLM's launcher, for the worker's parser, and notes on
+        what the prefix set (environment variables are the shell's, not the server's arguments)."""
+        args = launch_arguments(deployment.launch_argv, self.launchers)
+        if args is None:
+            raise InputError(f"{deployment.source}: not a vLLM launch command (expected `vllm serve TARGET "
+                             f"--speculative-config ...`): {' '.join(deployment.launch_argv)[:120]}")
+        env = [t for t in deployment.launch_argv[:len(deployment.launch_argv) - len(args)]
+               if "=" in t and not t.startswith("-")]
+        notes = [f"{', '.join(env)}: set in the server's environment; not applied here"] if env else []
+        return {"args": args, "base_dir": str(deployment.base_dir), "source": deployment.source}, notes
+
+    def _params(self, served: Path, target: TargetWeights, options: RunOptions, chain_steps: int = 0,
+                launch_dtype: bool = False) -> dict:
+        """What the worker needs for one call: options.dtype, or with `launch_dtype` the one the
+        deployment's launch resolves to (the pipeline runs a deployment at its plan's dtype)."""
+        dtype = None if launch_dtype else options.dtype
+        if dtype is not None and dtype not in DTYPE_NAMES:
+            raise InputError(f"vLLM's draft cannot run in {dtype}")
+        params = {"target": str(Path(target.path).resolve()), "served_dir": str(served.resolve()),
+                  "dtype": DTYPE_NAMES.get(dtype), "device": options.device, "max_model_len": None,
+                  "num_speculative_tokens": max(chain_steps, 1), "chain_steps": chain_steps}
+        if options.serving.deployment is not None:
+            params["launch"] = self._launch(options.serving.deployment)[0]
+        return params
+
+    @contextlib.contextmanager
+    def _served(self, checkpoint: Checkpoint, options: RunOptions):
+        """The directory vLLM serves and the conversion notes: a deployment's own directory, read
+        in place; otherwise the checkpoint as it is, with the serving setup's edits."""
+        if options.serving.deployment is not None:
+            yield options.serving.deployment.served_dir, {}
+            return
+        with tempfile.TemporaryDirectory(prefix="difftest-vllm-served-") as scratch:
+            served = Path(scratch) / "served"
+            notes = served_copy(checkpoint, served, options)
+            yield served, notes
 
     def capture_plan(self, checkpoint: Checkpoint, target: TargetWeights, options: RunOptions) -> CapturePlan:
         """The layers vLLM's model runner captures for this draft, from its own config code."""
         _check_applicable(options)
         bridge = _bridge()
-        with tempfile.TemporaryDirectory(prefix="difftest-vllm-served-") as scratch:
-            served = Path(scratch) / "served"
-            served_copy(checkpoint, served, options)
+        with self._served(checkpoint, options) as (served, _):
             raw = bridge.call("capture_plan", self._params(served, target, options)).result
         return CapturePlan(self.name, raw["hf_layer_ids"], raw["supports_aux_capture"], raw["target_class"],
                            raw["configured_ids"], list(raw["steps"]))
@@ -161,9 +210,7 @@ class VLLMAdapter:
         bridge = _bridge()
         tensors = {"input_ids": torch.tensor([t for s in sequences for t in s], dtype=torch.int64),
                    "seq_lens": torch.tensor([len(s) for s in sequences], dtype=torch.int64)}
-        with tempfile.TemporaryDirectory(prefix="difftest-vllm-served-") as scratch:
-            served = Path(scratch) / "served"
-            served_copy(checkpoint, served, options)
+        with self._served(checkpoint, options) as (served, _):
             answer = bridge.call("capture_target", self._params(served, target, options), tensors)
         raw = answer.result
         return TargetCapture(self.name, answer.tensors["hidden"], raw["hf_layer_ids"], raw["description"],
@@ -178,9 +225,7 @@ class VLLMAdapter:
         tensors = {"input_ids": states.input_ids, "seq_lens": states.seq_lens, "hidden": states.aux_hidden_states}
         if chain_states is not None:
             tensors["chain_hidden"] = chain_states.aux_hidden_states
-        with tempfile.TemporaryDirectory(prefix="difftest-vllm-served-") as scratch:
-            served = Path(scratch) / "served"
-            conversion_notes = served_copy(checkpoint, served, options)
+        with self._served(checkpoint, options) as (served, conversion_notes):
             answer = bridge.call("run", self._params(served, target, options, chain_steps), tensors)
         raw = answer.result
         timings.update({k: v for k, v in raw["timings"].items() if k in ("load", "forward")})
@@ -189,7 +234,8 @@ class VLLMAdapter:
         if chain_steps > 0:
             chain = ChainRun(self.name, answer.tensors["chain.target_tokens"], answer.tensors["chain.draft_tokens"],
                              {"chain": raw["timings"].get("chain", 0.0)}, list(raw.get("chain_notes", [])))
-        served_as = "this checkpoint's directory as it is (vLLM reads speculators' format and the legacy one itself)"
+        served_as = (f"the served directory {served}, under the launch command" if options.serving.deployment is not None
+                     else "this checkpoint's directory as it is (vLLM reads speculators' format and the legacy one itself)")
         details = {"conversion_notes": conversion_notes, "architecture": raw["draft_class"], "served_as": served_as,
                    "served_config": served_config(raw["served_config"]),
                    "worker": bridge.hello, "lm_head_path": raw.get("lm_head_path", "")}

@@ -12,6 +12,7 @@ metadata builder, inside `set_forward_context`, as the model runner runs it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 
@@ -49,17 +50,147 @@ def _ensure_distributed(vc) -> None:
 
 
 def engine_config(params: dict):
-    """The VllmConfig `vllm serve TARGET --speculative-config {...}` builds."""
+    """The VllmConfig `vllm serve TARGET --speculative-config {...}` builds: the user's own
+    command when a deployment is checked, else the one a plain EAGLE-3 deployment runs."""
     from vllm.engine.arg_utils import EngineArgs
 
-    speculative = {"method": "eagle3", "model": params["served_dir"],
-                   "num_speculative_tokens": max(1, int(params.get("num_speculative_tokens", 1)))}
-    try:
-        return EngineArgs(model=params["target"], skip_tokenizer_init=True, enforce_eager=True,
+    if params.get("launch"):
+        args = launch_engine_args(params)[0]
+    else:
+        speculative = {"method": "eagle3", "model": params["served_dir"],
+                       "num_speculative_tokens": max(1, int(params.get("num_speculative_tokens", 1)))}
+        args = EngineArgs(model=params["target"], skip_tokenizer_init=True, enforce_eager=True,
                           dtype=params["dtype"], max_model_len=params.get("max_model_len"),
-                          speculative_config=speculative).create_engine_config()
-    except (ValueError, TypeError, KeyError, AttributeError, OSError) as exc:
-        raise InputError(f"{params['served_dir']}: vLLM cannot build its config ({type(exc).__name__}: {exc})") from None
+                          speculative_config=speculative)
+    try:
+        return args.create_engine_config()
+    except (ValueError, TypeError, KeyError, AttributeError, OSError, NotImplementedError) as exc:
+        source = params["launch"]["source"] if params.get("launch") else params["served_dir"]
+        said = " ".join(str(exc).split())
+        if "Value error, " in said:  # pydantic: the validator's own sentence, without the echoed input
+            said = said.split("Value error, ", 1)[1].split(" [type=", 1)[0]
+        raise InputError(f"{source}: vLLM cannot build its config ({type(exc).__name__}: {said[:300]})") from None
+
+
+@functools.cache
+def _serve_parser():
+    # `vllm serve`'s own parser (the frontend's flags and every EngineArgs flag); built once,
+    # since a config audit or an undo measurement parses one command per variant.
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+
+
+def launch_engine_args(params: dict):
+    """The user's `vllm serve` arguments read by vLLM's own parser and EngineArgs.from_cli_args,
+    as the serve command reads them. The target is the local one difftest was given (a hub id
+    cannot be fetched here); the speculative config's model must be the served directory.
+    Returns the EngineArgs, the flags the command set, notes, and the speculative config as written."""
+    import argparse
+    import io
+    import json
+    from pathlib import Path
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+    launch = params["launch"]
+    source, base = launch["source"], Path(launch["base_dir"])
+    args = list(launch["args"])
+    parser = _serve_parser()
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            ns = parser.parse_args(args)
+        validate_parsed_serve_args(ns)
+    except SystemExit:
+        said = [line for line in errors.getvalue().splitlines() if "error:" in line]
+        why = said[-1].split("error:", 1)[1].strip() if said else "refused"
+        raise InputError(f"{source}: vLLM's serve-argument parser refused the command: {why}") from None
+    except (ValueError, TypeError, argparse.ArgumentError) as exc:
+        raise InputError(f"{source}: vLLM refuses the command ({exc})") from None
+    given = {a.dest for a in parser._actions
+             if any(t == o or t.startswith(o + "=") for t in args for o in a.option_strings)}
+    notes = []
+    named_target = ns.model_tag or ns.model
+    if named_target and (base / named_target).resolve() != Path(params["target"]).resolve():
+        notes.append(f"target {named_target}: read from {params['target']}")
+    ns.model, ns.model_tag = params["target"], None
+    speculative = ns.speculative_config
+    if isinstance(speculative, str):
+        speculative = json.loads(speculative)
+    if not speculative:
+        raise InputError(f"{source}: the command has no --speculative-config, so vLLM would serve the target "
+                         "without any draft")
+    served = Path(params["served_dir"]).resolve()
+    named = speculative.get("model")
+    if named is None:
+        raise InputError(f"{source}: --speculative-config names no model; vLLM would draft with the target itself, "
+                         f"not with the served directory {served}")
+    path = Path(named) if Path(named).is_absolute() else base / named
+    if not path.exists() or path.resolve() != served:
+        raise InputError(f"{source}: --speculative-config model {named} is not the served directory {served} "
+                         f"(relative paths resolve against {base})")
+    ns.speculative_config = {**speculative, "model": str(served)}
+    engine_args = EngineArgs.from_cli_args(ns)
+    # What a server needs and a forward outside one does not: no tokenizer, no compiled graphs.
+    engine_args.skip_tokenizer_init, engine_args.enforce_eager = True, True
+    if params.get("dtype"):  # a measurement at a fixed precision (the capture check runs fp32)
+        engine_args.dtype = params["dtype"]
+    return engine_args, given, notes, speculative
+
+
+def deployment_plan(params: dict, tensors: dict):
+    """The launch as vLLM resolves it: the draft's dtype (the target's: SpeculativeConfig gives the
+    draft the target's ModelConfig dtype), the chain length, the method, the draft's load format
+    (get_draft_load_config) and quantization, and the draft config its own code parsed."""
+    import json
+
+    from vllm.model_executor.model_loader.utils import get_draft_load_config
+
+    _, given, notes, raw = launch_engine_args(params)
+    vc = engine_config(params)
+    spec = vc.speculative_config
+    if spec.method not in ("eagle", "eagle3"):
+        raise InputError(f"{params['launch']['source']}: --speculative-config method {spec.method!r} does not serve "
+                         "the directory as an EAGLE draft; difftest checks EAGLE-3 drafts (method eagle3)")
+    draft = spec.draft_model_config
+    load_format = str(get_draft_load_config(vc).load_format)
+
+    def spec_with(**fields) -> str:
+        return json.dumps({**raw, **fields})
+
+    flags = [
+        {"flag": "--speculative-config method", "value": spec.method, "role": "algorithm", "expected": "eagle3",
+         "set_right": ["--speculative-config", spec_with(method="eagle3")], "given": "method" in raw,
+         "effect": ("eagle3: Eagle3LlamaForCausalLM with the target's aux layers captured; eagle: the EAGLE-1 draft "
+                    "class, fed the target's last hidden state"),
+         "simulated": True},
+        {"flag": "--dtype", "value": str(draft.dtype).removeprefix("torch."), "role": "dtype", "given": "dtype" in given,
+         "effect": "the draft's weights and activations dtype: the target's (auto: the target config's dtype)"},
+        {"flag": "--speculative-config num_speculative_tokens", "value": int(spec.num_speculative_tokens),
+         "role": "chain", "given": "num_speculative_tokens" in raw,
+         "effect": "how many chained draft steps each round proposes (the chain length of the predicted acceptance)"},
+        {"flag": "--load-format", "value": load_format, "role": "load_format", "given": "load_format" in given,
+         "effect": "how the draft's weights are read (get_draft_load_config: the server's --load-format; dummy: "
+                   "random values, no file is read)",
+         "simulated": load_format in ("auto", "safetensors", "dummy"),
+         "instead": f"difftest reads the served safetensors: the {load_format} loader needs files or services a "
+                    "served directory does not hold here"},
+    ]
+    if draft.quantization:
+        flags.append({"flag": "--speculative-config quantization" if "quantization" in raw else "--quantization",
+                      "value": str(draft.quantization), "role": "other", "given": True,
+                      "effect": "the draft's weights quantized", "simulated": False,
+                      "instead": "difftest runs the draft unquantized at --dtype"})
+    cache_dtype = str(vc.cache_config.cache_dtype)
+    if cache_dtype != "auto":
+        flags.append({"flag": "--kv-cache-dtype", "value": cache_dtype, "role": "other", "given": True,
+                      "effect": "the draft's attention reads a KV cache at this dtype", "simulated": False,
+                      "instead": "difftest keeps the KV cache at the draft's dtype"})
+    return {"dtype": str(draft.dtype).removeprefix("torch."), "chain_steps": int(spec.num_speculative_tokens),
+            "flags": flags, "notes": notes, "served_config": draft.hf_config.to_dict()}, {}
 
 
 class LoadRecorder:
@@ -434,12 +565,17 @@ def ledger(draft: Draft) -> dict:
             tensors[name] = {"fate": "renamed" if renamed else "consumed", "into": into, "note": ""}
         else:
             tensors[name] = {"fate": "dropped", "into": [], "note": "no parameter's weight_loader received it"}
+    from vllm.model_executor.model_loader.utils import get_draft_load_config
+
+    dummy = str(get_draft_load_config(draft.vc).load_format) == "dummy"
     params = {}
     for pname, _ in draft.model.named_parameters():
         if pname in draft.shared:
             params[pname] = {"fate": "shared", "note": "from the target, by the proposer's load_model"}
         elif pname in rec.written:
             params[pname] = {"fate": "written", "note": ""}
+        elif dummy:
+            params[pname] = {"fate": "randomized", "note": "the dummy load format's random values (DummyModelLoader)"}
         else:
             params[pname] = {"fate": "init", "note": "no checkpoint tensor reached its weight_loader"}
     for pname in draft.shared:
@@ -546,4 +682,5 @@ def capture_target(params: dict, tensors: dict):
 if __name__ == "__main__":
     from difftest.engines.venv_bridge import serve
 
-    serve({"run": run, "capture_plan": capture_plan, "capture_target": capture_target}, hello)
+    serve({"run": run, "capture_plan": capture_plan, "capture_target": capture_target,
+           "deployment_plan": deployment_plan}, hello)
