@@ -166,7 +166,11 @@ def run(
     measure_target_capture: bool = False,
     training_metrics: dict | None = None,
     training_run: Path | None = None,
+    config_audit_runs: dict | None = None,
 ) -> RunResult:
+    """Training (`reference`) against one serving engine (`candidate`) on the same inputs.
+    `config_audit_runs`: the config audit's runs by (engine, config), shared by the reports of
+    one set, so training's variants are built once for every serving engine."""
     reference = reference or reference_adapter()
     candidate = candidate or candidate_adapter()
     options = RunOptions(dtype=dtype, device=device, serving=serving)
@@ -186,7 +190,9 @@ def run(
     chain_states = None
     if chain_steps > 0:
         chain_states = serving_capture_states(inputs, serving_plan, candidate, cand_options, on_step)
-    on_step(f"{reference.name}: load, forward{chained}")
+    if not _already_run(reference, inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=dtype, device=device),
+                        chain_steps):
+        on_step(f"{reference.name}: load, forward{chained}")
     ref_run = reference.run(inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=dtype, device=device),
                             chain_steps=chain_steps)
     release_memory(collect)
@@ -204,8 +210,10 @@ def run(
         cand_run.details.setdefault("chain_notes", []).append(note)
     floor = None
     if measure_noise if measure_noise is not None else dtype != torch.float32:
-        on_step(f"{reference.name}: fp32 run for the noise floor")
-        full = reference.run(inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=torch.float32, device=device))
+        fp32 = RunOptions(dtype=torch.float32, device=device)
+        if not _already_run(reference, inputs.checkpoint, inputs.target, inputs.states, fp32):
+            on_step(f"{reference.name}: fp32 run for the noise floor")
+        full = reference.run(inputs.checkpoint, inputs.target, inputs.states, fp32)
         floor = noise_floor(ref_run, full)
         del full
         release_memory(collect)
@@ -227,7 +235,8 @@ def run(
         # How each engine reads a config field is the engine's, whatever was deployed: the
         # audit measures it on the conversion difftest writes.
         plain = replace(options, serving=replace(options.serving, deployment=None))
-        rows, config_findings = run_config_audit(inputs.checkpoint, inputs.target, inputs.states, reference, candidate, plain)
+        rows, config_findings = run_config_audit(inputs.checkpoint, inputs.target, inputs.states, reference, candidate, plain,
+                                                 runs=config_audit_runs)
         from difftest.audit.config import rule_for
 
         # A known divergence the audit has just measured is reported as measured, once.
@@ -277,17 +286,29 @@ class _TrainingRunsOnce:
     def __getattr__(self, attr):
         return getattr(self._adapter, attr)
 
-    def run(self, checkpoint, target, states, options, chain_steps: int = 0, chain_states=None) -> EngineRun:
+    def _seen(self, checkpoint, target, states, options, chain_steps: int, chain_states) -> tuple[list, EngineRun | None]:
         inputs = (checkpoint, target, states, chain_states)
         # The same objects, not equal ones: each entry keeps its inputs alive, so no id is reused.
         # Options are compared, not hashed: a serving setup's config edits may hold lists.
         runs = self._runs.setdefault((*map(id, inputs), chain_steps), [])
-        for seen, _, run_ in runs:
-            if seen == options:
-                return run_
-        run_ = self._adapter.run(checkpoint, target, states, options, chain_steps=chain_steps, chain_states=chain_states)
-        runs.append((options, inputs, run_))
+        return runs, next((run_ for seen, _, run_ in runs if seen == options), None)
+
+    def has_run(self, checkpoint, target, states, options, chain_steps: int = 0, chain_states=None) -> bool:
+        return self._seen(checkpoint, target, states, options, chain_steps, chain_states)[1] is not None
+
+    def run(self, checkpoint, target, states, options, chain_steps: int = 0, chain_states=None) -> EngineRun:
+        runs, run_ = self._seen(checkpoint, target, states, options, chain_steps, chain_states)
+        if run_ is None:
+            run_ = self._adapter.run(checkpoint, target, states, options, chain_steps=chain_steps,
+                                     chain_states=chain_states)
+            runs.append((options, (checkpoint, target, states, chain_states), run_))
         return run_
+
+
+def _already_run(reference: EngineAdapter, *run_args) -> bool:
+    """Whether `reference.run(*run_args)` returns a run shared from an earlier report of the set
+    (so the progress line does not announce work that will not happen)."""
+    return isinstance(reference, _TrainingRunsOnce) and reference.has_run(*run_args)
 
 
 def run_set(inputs: RunInputs, serving: dict[str, ServingSetup], on_step: Callable[[str], None] = lambda _msg: None,
@@ -296,6 +317,7 @@ def run_set(inputs: RunInputs, serving: dict[str, ServingSetup], on_step: Callab
     served), the training engine's runs shared between them."""
     reference = _TrainingRunsOnce(reference_adapter())
     engines = {name: candidate_adapter(name) for name in serving}
+    analysis.setdefault("config_audit_runs", {})
     if analysis.get("chain_steps", 0) > 0:
         # A launch command decides how many steps its engine drafts; every engine in the set
         # drafts as many, so their accept lengths (and training's) are comparable.

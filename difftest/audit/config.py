@@ -198,10 +198,14 @@ def _build_and_run(adapter: EngineAdapter, ckpt: Checkpoint, e: _Engines) -> Eng
 
 
 def audit_config(ckpt: Checkpoint, target: TargetWeights, states: CapturedStates, reference: EngineAdapter,
-                 candidate: EngineAdapter, options: RunOptions | None = None) -> tuple[list[dict], list[Finding]]:
-    """Rows (one per config field, for the report) and findings."""
+                 candidate: EngineAdapter, options: RunOptions | None = None,
+                 runs: dict | None = None) -> tuple[list[dict], list[Finding]]:
+    """Rows (one per config field, for the report) and findings. `runs`: earlier runs of this
+    audit on the same checkpoint, target and states, by (engine, config), e.g. training's
+    variants measured for another serving engine; new runs are added to it."""
     options = options or RunOptions()
-    e = _Engines(reference, candidate, target, states.head(AUDIT_TOKENS), RunOptions(dtype=torch.float32, device=options.device))
+    e = _Engines(reference, candidate, target, states.head(AUDIT_TOKENS), RunOptions(dtype=torch.float32, device=options.device),
+                 {} if runs is None else runs)
     rows: list[dict] = []
     findings: list[Finding] = []
     with tempfile.TemporaryDirectory(prefix="difftest-cfg-") as tmp:
