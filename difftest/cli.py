@@ -114,6 +114,9 @@ def report(
     serve: Optional[Path] = typer.Option(None, help="the served draft directory, exactly as deployed (needs --launch or --launch-file)"),
     launch: Optional[str] = typer.Option(None, help="the launch command that serves it, as one string: `python -m sglang.launch_server ...` or `vllm serve ...`"),
     launch_file: Optional[Path] = typer.Option(None, help="a file holding the launch command (relative paths in it resolve against its directory)"),
+    training_engine: str = typer.Option("speculators", "--training",
+                                        help="the engine that trained the checkpoint: speculators (its format, or "
+                                        "difftest's legacy conversion of it) or specforge (SpecForge's export)"),
     serving_engines: str = typer.Option("sglang,vllm", "--serving", envvar="DIFFTEST_SERVING",
                                         help="the serving engines to compare with training, comma-separated: sglang, "
                                         "vllm (vLLM runs in its own venv, .venv-vllm)"),
@@ -130,6 +133,10 @@ def report(
         fail(str(exc))
 
     engines = parse_serving(serving_engines)
+    from difftest.engines import TRAINING_ENGINES
+
+    if training_engine not in TRAINING_ENGINES:
+        fail(f"--training takes one of {', '.join(TRAINING_ENGINES)}; got {training_engine!r}")
     if deployment is not None and deployment.engine not in engines:
         fail(f"{deployment.source} starts a {deployment.engine} server; add {deployment.engine} to --serving")
     torch_dtype = parse_dtype(dtype)
@@ -179,7 +186,7 @@ def report(
                 from difftest.audit.shortfall import final_training_checkpoint
 
                 final_training_checkpoint(training_run)  # a run with no checkpoint is an input error, up front
-            analysis = {"chain_steps": chain_steps, "measure_target_capture": target_capture,
+            analysis = {"chain_steps": chain_steps, "measure_target_capture": target_capture, "training": training_engine,
                         "training_metrics": extra.get("training"), "training_run": training_run}
             old_report = None
             if baseline is not None:
@@ -461,6 +468,9 @@ def selftest(
     dtype: list[str] = typer.Option(["fp32", "bf16"], help="run dtypes (repeatable)"),
     fault: Optional[list[str]] = typer.Option(None, help="only these faults (repeatable; default: the whole catalog)"),
     out: Path = typer.Option(Path("reports/selftest"), help="where selftest.json and selftest.md go"),
+    training_engine: str = typer.Option("speculators", "--training",
+                                        help="the engine that trained the checkpoint: speculators (its format, or "
+                                        "difftest's legacy conversion of it) or specforge (SpecForge's export)"),
     serving_engines: str = typer.Option("sglang,vllm", "--serving", envvar="DIFFTEST_SERVING",
                                         help="the serving engines each fault is run against, comma-separated"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="print only the score line"),

@@ -228,6 +228,11 @@ def run(
                                   cand_run, dtype)
         findings += served.pop("findings")
     rows = None
+    if audit_config and not getattr(reference, "measures_config", True):
+        # The audit's variants are speculators-format copies; a training engine that reads another
+        # layout cannot run them, and a half-measured table would read as "inert".
+        on_step(f"audit: config fields not measured ({reference.name} reads another checkpoint layout)")
+        audit_config = False
     if audit_config:
         from difftest.audit.config import audit_config as run_config_audit
 
@@ -312,10 +317,10 @@ def _already_run(reference: EngineAdapter, *run_args) -> bool:
 
 
 def run_set(inputs: RunInputs, serving: dict[str, ServingSetup], on_step: Callable[[str], None] = lambda _msg: None,
-            **analysis) -> dict[str, RunResult]:
-    """Training compared with each serving engine in turn (`serving`: engine name -> how it is
-    served), the training engine's runs shared between them."""
-    reference = _TrainingRunsOnce(reference_adapter())
+            training: str = "speculators", **analysis) -> dict[str, RunResult]:
+    """Training (the engine called `training`) compared with each serving engine in turn
+    (`serving`: engine name -> how it is served), the training engine's runs shared between them."""
+    reference = _TrainingRunsOnce(reference_adapter(training))
     engines = {name: candidate_adapter(name) for name in serving}
     analysis.setdefault("config_audit_runs", {})
     if analysis.get("chain_steps", 0) > 0:

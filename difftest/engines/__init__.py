@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import importlib
 
-TRAINING_ENGINES = {"speculators": "difftest.engines.speculators_engine:SpeculatorsAdapter"}
+TRAINING_ENGINES = {"speculators": "difftest.engines.speculators_engine:SpeculatorsAdapter",
+                    "specforge": "difftest.engines.specforge_engine:SpecForgeAdapter"}
 SERVING_ENGINES = {"sglang": "difftest.engines.sglang_engine.adapter:SGLangAdapter",
                    "vllm": "difftest.engines.vllm_engine.adapter:VLLMAdapter"}
 

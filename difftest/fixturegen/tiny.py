@@ -105,6 +105,9 @@ def build(root: Path) -> None:
     draft.save_pretrained(spec_dir, safe_serialization=True)
     _relativize_verifier(spec_dir / "config.json")
     speculators_to_legacy(spec_dir, root / "legacy")
+    from difftest.fixturegen.specforge_tiny import build as build_specforge
+
+    build_specforge(root / "specforge", root / "legacy")  # SpecForge's own draft on the same target
 
 
 def _relativize_verifier(cfg_file: Path) -> None:

@@ -1,0 +1,73 @@
+"""SpecForge as a training engine, on the tiny SpecForge draft (fixtures/tiny/specforge, written by
+SpecForge's own exporter): its own config reading, warm start, embedding load and TTT unroll."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from difftest.checkpoint import load_checkpoint
+from difftest.engines.base import ParamFate, RunOptions, TensorFate
+from difftest.pipeline import candidate_adapter, prepare, reference_adapter, run
+from difftest.probes import PROBE_NAMES
+
+
+@pytest.fixture(scope="module")
+def specforge():
+    return reference_adapter("specforge")
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny):
+    return prepare(tiny / "specforge", tiny / "target", tiny / "states.safetensors")
+
+
+def test_the_tiny_draft_is_what_specforges_exporter_writes(tiny, tmp_path):
+    from difftest.fixturegen.specforge_tiny import build
+
+    rebuilt = load_checkpoint(build(tmp_path / "specforge"))
+    shipped = load_checkpoint(tiny / "specforge")
+    assert rebuilt.config == shipped.config
+    assert sorted(rebuilt.tensor_names()) == sorted(shipped.tensor_names())
+    for name in shipped.tensor_names():
+        assert torch.equal(rebuilt.get(name), shipped.get(name)), name
+    assert any(n.startswith("midlayer.") for n in shipped.tensor_names())
+    assert not any("embed" in n for n in shipped.tensor_names())  # the exporter drops it
+
+
+def test_specforge_and_sglang_compute_the_same_draft_in_fp32(inputs, specforge):
+    result = run(inputs, dtype=torch.float32, reference=specforge, candidate=candidate_adapter("sglang"), chain_steps=3)
+    failing = [(r.probe, r.metrics) for r in result.comparison.results if not r.ok]
+    assert not failing
+    assert set(result.reference.probes) == set(PROBE_NAMES)
+    worst = max(r.metrics["rel_max"] for r in result.comparison.results if r.metrics and "rel_max" in r.metrics)
+    assert worst < 1e-5
+    assert result.reference.chain.draft_tokens.shape == (inputs.states.num_tokens, 3)
+
+
+def test_the_ledger_and_the_capture_plan_are_specforges(inputs, specforge, tiny):
+    plan = specforge.capture_plan(inputs.checkpoint, inputs.target, RunOptions())
+    # SpecForge's id i is layer i's output: the HF hidden state one further on, as SGLang captures it.
+    configured = inputs.checkpoint.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert plan.hf_layer_ids == [i + 1 for i in configured] == list(inputs.states.aux_layer_ids)
+    ran = specforge.run(inputs.checkpoint, inputs.target, inputs.states, RunOptions())
+    assert set(ran.ledger.names(TensorFate.CONSUMED)) == set(inputs.checkpoint.tensor_names())
+    assert ran.ledger.names(ParamFate.SHARED) == ["embed_tokens.weight"]
+    assert ran.details["warm_start"]["missing_keys"] == ["embed_tokens.weight"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--training", "specforge", "{tiny}/speculators"], "SpecForge reads the directory its export writes"),
+    (["--training", "axolotl", "{tiny}/specforge"], "--training takes one of speculators, specforge"),
+])
+def test_a_checkpoint_specforge_cannot_read_is_one_line_and_exit_2(tiny, tmp_path, args, says):
+    args = [a.format(tiny=tiny) for a in args]
+    proc = subprocess.run([sys.executable, "-m", "difftest.cli", "report", *args, "--target", str(tiny / "target"),
+                           "--states", str(tiny / "states.safetensors"), "--serving", "sglang", "--out",
+                           str(tmp_path / "out"), "-q"], capture_output=True, text=True, timeout=600)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stderr
+    assert not (tmp_path / "out" / "report.json").exists()
