@@ -288,6 +288,19 @@ RULES: tuple[Rule, ...] = (
                       "compared. Any other finding in this report names what in the checkpoint makes it fail."),
          fix=("Fix what the other findings name first; the error names the tensor or field the engine could not "
               "compute with.")),
+    Rule("norm_output_read_differently", findings=("norm_output_read_differently",), probes=("next_step_hidden",),
+         explanation=("This step's logits agree, and the hidden state it hands the next draft step does not: the "
+                      "engines read norm_output differently. SGLang 0.5.23, vLLM 0.32.0 and speculators read it as "
+                      "EAGLE-3.1 (the normed state goes on); SpecForge 0.2.0 reads it as 'norm before lm_head' and "
+                      "always hands on the pre-norm state. Every chain step after the first drafts from another input "
+                      "than training's."),
+         fix=("Train SpecForge 0.2.0 drafts without norm_output in the config (both sides then hand on the pre-norm "
+              "state and norm before lm_head), or train with a SpecForge that carries the normed state under "
+              "norm_output (its change after 0.2.0).")),
+    Rule("next_step_state_differs", probes=("next_step_hidden",),
+         explanation=("This step's logits agree, and the hidden state it hands the next draft step does not, so every "
+                      "chain step after the first drafts from another input than training's."),
+         fix="Compare how each engine reads norm_output and which layer's output it carries between steps."),
     Rule("decoder_math_divergence",
          probes=("layer0.embed_norm", "layer0.hidden_norm", "layer0.attn_output", "layer0.mlp_output", "layer0.output", "final_norm"),
          explanation="The decoder layer computes differently in the two engines from this probe on, with identical inputs.",

@@ -36,6 +36,14 @@ KNOWN_UPSTREAM_DIVERGENCES: dict[str, str] = {
         "level, which that count does not read, so a speculators draft trained on other than 3 aux layers fails "
         "to load (AutoWeightsLoader: fc.weight of the wrong width)."
     ),
+    "norm_output_read_differently": (
+        "specforge 0.2.0's OnlineEagle3Model hands each TTT step the pre-norm hidden state "
+        "(algorithms/eagle3/model.py, `hidden_states = hidden_states_out`) and applies norm in compute_logits "
+        "only when norm_output is set (modeling/draft/llama3_eagle.py); sglang 0.5.23 (llama_eagle3.py, "
+        "`aux = hidden_states_to_logits if self.norm_output else hidden_states_to_aux`) and vllm 0.32.0 hand "
+        "on the normed state when norm_output is true (EAGLE-3.1), so a SpecForge draft trained with it "
+        "drafts every step after the first from another state than it was trained on."
+    ),
 }
 
 # cause -> the serving engines it was found in (vLLM 0.32.0 reads norm_before_residual and
@@ -45,6 +53,11 @@ FOUND_IN: dict[str, frozenset[str]] = {
     "dynamic_rope_scaling_differs": frozenset({"sglang"}),
     "multi_layer_draft_differs": frozenset({"sglang"}),
     "aux_layer_count_not_read": frozenset({"vllm"}),
+    "norm_output_read_differently": frozenset({"sglang", "vllm"}),
+}
+# cause -> the training engines it was found with (speculators when not listed).
+TRAINED_WITH: dict[str, frozenset[str]] = {
+    "norm_output_read_differently": frozenset({"specforge"}),
 }
 
 # cause -> does this checkpoint have the feature?
@@ -55,11 +68,14 @@ _TRIGGERS: dict[str, Callable[[Checkpoint], bool]] = {
     "dynamic_rope_scaling_differs": lambda c: (c.spec.rope_scaling or {}).get("rope_type", (c.spec.rope_scaling or {}).get("type")) == "dynamic",
     # The load refusal reports it when it happens; this names it beside other findings.
     "aux_layer_count_not_read": lambda c: c.spec.num_aux != 3,
+    # Measured by the next_step_hidden probe; this names it.
+    "norm_output_read_differently": lambda c: c.config.get("norm_output") is True,
 }
 
 
-def check_known_divergences(ckpt: Checkpoint, serving_engine: str) -> list[Finding]:
-    """Findings for features whose upstream divergence in this serving engine is known but has
-    no measured audit."""
+def check_known_divergences(ckpt: Checkpoint, serving_engine: str, training_engine: str = "speculators") -> list[Finding]:
+    """Findings for features whose upstream divergence between this training engine and this
+    serving engine is known but has no measured audit."""
     return [Finding("known", cause, Severity.ERROR, KNOWN_UPSTREAM_DIVERGENCES[cause])
-            for cause, applies in _TRIGGERS.items() if serving_engine in FOUND_IN[cause] and applies(ckpt)]
+            for cause, applies in _TRIGGERS.items() if serving_engine in FOUND_IN[cause]
+            and training_engine in TRAINED_WITH.get(cause, frozenset({"speculators"})) and applies(ckpt)]

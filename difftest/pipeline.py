@@ -603,7 +603,7 @@ def audit(inputs: RunInputs, reference: EngineAdapter, candidate: EngineAdapter,
                                         {"aux_width": width, "hidden_size": ckpt.spec.hidden_size}))
     from difftest.known_divergences import check_known_divergences
 
-    findings += conversion_findings + capture_findings + check_known_divergences(ckpt, candidate.name)
+    findings += conversion_findings + capture_findings + check_known_divergences(ckpt, candidate.name, reference.name)
     capture = {"serving": serving_plan.as_dict(), "training": training_plan.as_dict(),
                "states_hf_ids": list(inputs.states.aux_layer_ids)}
     return findings, conversion_rows, capture

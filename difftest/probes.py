@@ -36,6 +36,9 @@ PROBES: tuple[ProbeSpec, ...] = (
     ProbeSpec("logits", ProbeKind.ACTIVATION, "draft-vocab logits at every position"),
     ProbeSpec("draft_token", ProbeKind.TOKENS, "greedy draft token id (draft vocab)"),
     ProbeSpec("target_token", ProbeKind.TOKENS, "draft token mapped to a target-vocab id"),
+    # Not on the path to this step's logits: what the next chain step starts from (the last
+    # layer's output, or its normed form under EAGLE-3.1's norm_output), as the engine hands it on.
+    ProbeSpec("next_step_hidden", ProbeKind.ACTIVATION, "the hidden state this draft step hands its next chain step"),
 )
 
 PROBE_NAMES: tuple[str, ...] = tuple(p.name for p in PROBES)

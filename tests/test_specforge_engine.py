@@ -71,3 +71,25 @@ def test_a_checkpoint_specforge_cannot_read_is_one_line_and_exit_2(tiny, tmp_pat
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stderr
     assert not (tmp_path / "out" / "report.json").exists()
+
+
+def test_a_specforge_draft_with_norm_output_is_diagnosed_from_the_state_it_hands_on(tiny, tmp_path):
+    """norm_output=true: SpecForge 0.2.0 still hands each TTT step the pre-norm state; SGLang hands
+    on the normed one (EAGLE-3.1). This step's logits agree; the next step's input does not."""
+    from difftest.fixturegen.specforge_tiny import build
+
+    draft = build(tmp_path / "specforge", config_edits={"norm_output": True})
+    inputs = prepare(draft, tiny / "target", tiny / "states.safetensors")
+    assert inputs.checkpoint.config["norm_output"] is True
+    result = run(inputs, dtype=torch.float32, reference=reference_adapter("specforge"),
+                 candidate=candidate_adapter("sglang"))
+    by_probe = {r.probe: r for r in result.comparison.results}
+    assert all(by_probe[name].ok for name in PROBE_NAMES if name != "next_step_hidden")
+    assert not by_probe["next_step_hidden"].ok and by_probe["next_step_hidden"].metrics["rel_max"] > 0.1
+    assert result.diagnosis.cause == "norm_output_read_differently"
+    assert result.diagnosis.probe == "next_step_hidden"
+    # The same weights without the flag: both hand on the pre-norm state.
+    plain = prepare(build(tmp_path / "plain"), tiny / "target", tiny / "states.safetensors")
+    again = run(plain, dtype=torch.float32, reference=reference_adapter("specforge"), candidate=candidate_adapter("sglang"))
+    assert again.diagnosis is None or again.diagnosis.cause != "norm_output_read_differently"
+    assert all(r.ok for r in again.comparison.results)

@@ -190,6 +190,9 @@ class SpecForgeAdapter:
         p.output(layer0, "layer0.output")
         p.output(model.norm, "final_norm")
         p.output(model.lm_head, "logits")
+        # OnlineEagle3Model hands the next step the midlayer's output as it is (model.py:
+        # `hidden_states = hidden_states_out`), whatever norm_output says.
+        p.output(layer0, "next_step_hidden")
         step_logits: list[torch.Tensor] = []
         hook = model.lm_head.register_forward_hook(lambda _m, _a, out: step_logits.append(out.detach()))
         mask = valid.to(device)

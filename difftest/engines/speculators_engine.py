@@ -231,6 +231,9 @@ class SpeculatorsAdapter:
         p.output(layer0, "layer0.output")
         p.output(model.norm, "final_norm")
         p.output(model.lm_head, "logits")
+        # The next TTT step starts from the last layer's output, normed first under norm_output
+        # (Eagle3DraftModel.forward: `if self.config.norm_output: hidden_states = self.norm(...)`).
+        p.output(model.norm if model.config.norm_output else model.layers[-1], "next_step_hidden")
         try:
             inputs = self._inputs(states, options, model.config.transformer_layer_config._attn_implementation)
             draft_tokens = [d[:, :T] for d in model(**inputs, ttt_steps=ttt_steps)]

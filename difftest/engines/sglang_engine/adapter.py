@@ -597,6 +597,9 @@ class SGLangAdapter:
             missing["fc.input"] = missing["fc.output"] = why
         logits = out.next_token_logits.float().cpu()
         values["logits"] = logits
+        # What the worker feeds the next draft step (LlamaForCausalLMEagle3 returns it as the aux
+        # state: normed under norm_output, pre-norm otherwise).
+        values["next_step_hidden"] = out.hidden_states.float().cpu()
         draft = logits.argmax(dim=-1)
         values["draft_token"] = draft
         hot = model.get_hot_token_id()

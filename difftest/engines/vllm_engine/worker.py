@@ -484,6 +484,8 @@ def run(params: dict, tensors: dict[str, torch.Tensor]):
     draft.timings["forward"] = time.perf_counter() - t1
     missing: dict[str, str] = {}
     values["draft_token"] = values["logits"].argmax(dim=-1)
+    # The model's second output: what the proposer feeds the next step (normed under norm_output).
+    values["next_step_hidden"] = fed_back.detach().to(torch.float32, copy=True)
     values["target_token"] = logits.argmax(dim=-1)  # compute_logits already scatters into the target vocab
     if "fc.output" not in values:
         missing["fc.input"] = missing["fc.output"] = "combine_hidden_states skipped fc: the draft has no aux hidden state"
