@@ -2,7 +2,7 @@
 
 Options: --difftest-ckpt DIR (default: the embedded fixture), --difftest-target DIR,
 --difftest-states FILE, --difftest-dtype fp32|bf16, --difftest-device cpu|cuda,
---difftest-chain-steps K, --difftest-serving sglang,vllm.
+--difftest-chain-steps K, --difftest-training speculators|specforge, --difftest-serving sglang,vllm.
 """
 
 from __future__ import annotations
@@ -20,11 +20,18 @@ def pytest_addoption(parser):
     group.addoption("--difftest-max-tokens", default=None, type=int, help="limit the states to this many tokens")
     group.addoption("--difftest-chain-steps", default=3, type=int,
                     help="draft steps per chain for the predicted-acceptance test (0: skip it)")
+    group.addoption("--difftest-training", default="speculators",
+                    help="the engine that trained the checkpoint: speculators | specforge")
     group.addoption("--difftest-serving", default="sglang,vllm",
                     help="comma-separated serving engines to compare with training (each gets every test)")
 
 
 def pytest_configure(config):
+    from difftest.engines import TRAINING_ENGINES
+
+    training = config.getoption("--difftest-training")
+    if training not in TRAINING_ENGINES:
+        raise pytest.UsageError(f"--difftest-training: unknown engine {training!r}; known: {list(TRAINING_ENGINES)}")
     config.addinivalue_line("markers", "serving_engines(*names): only these serving engines run this test")
 
 
@@ -53,7 +60,7 @@ def difftest_on_embedded_fixture(request) -> bool:
 def difftest_result(request, serving_engine):
     from difftest.cli import quiet_engines
     from difftest.errors import InputError
-    from difftest.pipeline import candidate_adapter, prepare, run
+    from difftest.pipeline import candidate_adapter, prepare, reference_adapter, run
     from difftest.tolerances import DTYPES
 
     quiet_engines(False)
@@ -71,4 +78,5 @@ def difftest_result(request, serving_engine):
     name = opt("--difftest-dtype")
     dtype = inputs.checkpoint.stored_dtype() if name == "auto" else DTYPES[name]
     return run(inputs, dtype=dtype, device=opt("--difftest-device"), chain_steps=opt("--difftest-chain-steps"),
-               measure_target_capture=True, candidate=candidate_adapter(serving_engine))
+               measure_target_capture=True, candidate=candidate_adapter(serving_engine),
+               reference=reference_adapter(opt("--difftest-training")))

@@ -12,7 +12,8 @@ import pytest
 from difftest.probes import PROBE_NAMES
 
 
-@pytest.mark.parametrize("engine_module", ["sglang.srt.models.llama_eagle3", "speculators.models.eagle3"])
+@pytest.mark.parametrize("engine_module", ["sglang.srt.models.llama_eagle3", "speculators.models.eagle3",
+                                           "specforge.algorithms.eagle3.model"])
 def test_engine_imports(engine_module):
     # An engine that cannot be imported is a failure, never a skip.
     if engine_module.startswith("sglang"):
