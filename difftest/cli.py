@@ -114,9 +114,10 @@ def report(
     serve: Optional[Path] = typer.Option(None, help="the served draft directory, exactly as deployed (needs --launch or --launch-file)"),
     launch: Optional[str] = typer.Option(None, help="the launch command that serves it, as one string: `python -m sglang.launch_server ...` or `vllm serve ...`"),
     launch_file: Optional[Path] = typer.Option(None, help="a file holding the launch command (relative paths in it resolve against its directory)"),
-    training_engine: str = typer.Option("speculators", "--training",
-                                        help="the engine that trained the checkpoint: speculators (its format, or "
-                                        "difftest's legacy conversion of it) or specforge (SpecForge's export)"),
+    training_engine: Optional[str] = typer.Option(None, "--training",
+                                                  help="the engine that trained the checkpoint: speculators or specforge "
+                                                  "(default: what the directory shows; SGLang's layout without "
+                                                  "speculators' norm flags needs it said)"),
     serving_engines: str = typer.Option("sglang,vllm", "--serving", envvar="DIFFTEST_SERVING",
                                         help="the serving engines to compare with training, comma-separated: sglang, "
                                         "vllm (vLLM runs in its own venv, .venv-vllm)"),
@@ -135,7 +136,7 @@ def report(
     engines = parse_serving(serving_engines)
     from difftest.engines import TRAINING_ENGINES
 
-    if training_engine not in TRAINING_ENGINES:
+    if training_engine is not None and training_engine not in TRAINING_ENGINES:
         fail(f"--training takes one of {', '.join(TRAINING_ENGINES)}; got {training_engine!r}")
     if deployment is not None and deployment.engine not in engines:
         fail(f"{deployment.source} starts a {deployment.engine} server; add {deployment.engine} to --serving")
@@ -180,6 +181,11 @@ def report(
                 training_run = training_run or fx.training_run
             else:
                 jobs = [(checkpoint, out)]
+            if training_engine is None:
+                from difftest.checkpoint import load_checkpoint
+                from difftest.engines import training_engine_for
+
+                training_engine = training_engine_for(load_checkpoint(jobs[0][0]))
             if training_metrics is not None:
                 extra["training"] = _read_training_metrics(training_metrics)
             if training_run is not None:
@@ -469,8 +475,8 @@ def selftest(
     fault: Optional[list[str]] = typer.Option(None, help="only these faults (repeatable; default: the whole catalog)"),
     out: Path = typer.Option(Path("reports/selftest"), help="where selftest.json and selftest.md go"),
     training_engine: str = typer.Option("speculators", "--training",
-                                        help="the engine that trained the checkpoint: speculators (its format, or "
-                                        "difftest's legacy conversion of it) or specforge (SpecForge's export)"),
+                                        help="the training engine whose fixture drafts are faulted: speculators "
+                                        "(tiny and the SmolLM2 draft) or specforge (its tiny export)"),
     serving_engines: str = typer.Option("sglang,vllm", "--serving", envvar="DIFFTEST_SERVING",
                                         help="the serving engines each fault is run against, comma-separated"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="print only the score line"),
@@ -484,6 +490,10 @@ def selftest(
 
     if fixture not in ("tiny", "default", "all"):
         fail(f"--fixture must be tiny, default or all, got {fixture!r}")
+    from difftest.engines import TRAINING_ENGINES
+
+    if training_engine not in TRAINING_ENGINES:
+        fail(f"--training takes one of {', '.join(TRAINING_ENGINES)}; got {training_engine!r}")
     for name in dtype:
         if name not in DTYPES:
             fail(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
@@ -507,7 +517,8 @@ def selftest(
 
     with one_line_errors(verbose):
         with output_dir(out, owned=("selftest.json", "selftest.md")):
-            score = run_selftest(fixture, dtypes=dtype, only=fault, on_outcome=show, serving=engines)
+            score = run_selftest(fixture, dtypes=dtype, only=fault, on_outcome=show, serving=engines,
+                                 training=training_engine)
             paths = write_selftest(score, out)
     if not quiet:
         from difftest.selftest import render_table

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from difftest.checkpoint import Checkpoint, load_checkpoint
+from difftest.checkpoint import Checkpoint, CheckpointFormat, detect_format, load_checkpoint
 from difftest.convert import speculators_to_legacy
 from difftest.engines.base import DROP, ServingSetup
 from difftest.states import CapturedStates, save_states
@@ -54,6 +54,29 @@ class Workspace:
         cfg = self.config()
         edit(cfg)
         (self.checkpoint / "config.json").write_text(json.dumps(cfg, indent=2))
+
+    def edit_layer_config(self, edit: Callable[[dict], None]) -> None:
+        """The transformer fields (rope, sizes): speculators nests them in transformer_layer_config,
+        SGLang's layout keeps them at the top."""
+        self.edit_config(lambda c: edit(c["transformer_layer_config"] if self.format is CheckpointFormat.SPECULATORS
+                                        else c))
+
+    @property
+    def format(self) -> CheckpointFormat:
+        return detect_format(self.config())
+
+    def aux_ids(self) -> list[int]:
+        """The trained aux ids as the checkpoint stores them (each format in its own numbering)."""
+        cfg = self.config()
+        if self.format is CheckpointFormat.SPECULATORS:
+            return list(cfg["eagle_aux_hidden_state_layer_ids"])
+        return list(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+
+    def set_aux_ids(self, ids: list[int]) -> None:
+        def edit(c: dict) -> None:
+            (c if self.format is CheckpointFormat.SPECULATORS else c["eagle_config"])[
+                "eagle_aux_hidden_state_layer_ids"] = list(ids)
+        self.edit_config(edit)
 
     def edit_tensors(self, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
         tensors = dict(self.ckpt().tensors())
@@ -148,15 +171,22 @@ class Fault:
     rewrites_training: bool = False
     # (serving engine, how it meets the fault) where that differs from SGLang's place and cause.
     on: tuple[tuple[str, OnEngine], ...] = ()
+    # (training engine, how a draft its trainer wrote meets the fault) where that differs from a
+    # speculators draft's: not at all (applies=False: its draft has no such field, or its loader
+    # refuses the checkpoint), or at another place on SGLang (a serving engine's `on` still wins).
+    by_training: tuple[tuple[str, OnEngine], ...] = ()
 
-    def on_engine(self, engine: str) -> OnEngine:
-        """What the selftest expects from this serving engine."""
+    def on_engine(self, engine: str, training: str = "speculators") -> OnEngine:
+        """What the selftest expects from this serving engine, for a draft `training` wrote."""
+        trained = dict(self.by_training).get(training)
+        if trained is not None and not trained.applies:
+            return trained
         own = dict(self.on)
         if engine in own:
             return own[engine]
         if engine != "sglang" and self.deployed:
             return OnEngine(applies=False, why="an edit to the directory SGLang serves or to SGLang's launch command")
-        return OnEngine(self.caught_at, self.diagnosis)
+        return trained or OnEngine(self.caught_at, self.diagnosis)
 
 
 def _d2t(edit: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Workspace], None]:
@@ -194,7 +224,7 @@ def _trained_in_reverse_order(ws: Workspace) -> None:
     H = st.target_hidden_size
     ws.states = replace(st, aux_layer_ids=tuple(reversed(st.aux_layer_ids)),
                         aux_hidden_states=torch.cat(st.aux_hidden_states.split(H, dim=-1)[::-1], dim=-1))
-    ws.edit_config(lambda c: c["eagle_aux_hidden_state_layer_ids"].reverse())
+    ws.set_aux_ids(ws.aux_ids()[::-1])
 
 
 def _norm_flag_dropped(ws: Workspace) -> None:
@@ -206,15 +236,14 @@ def _norm_flag_dropped(ws: Workspace) -> None:
 
 def _rope_dropped(ws: Workspace) -> None:
     # Train-side theta well away from the library default, so dropping it changes positions.
-    def far_theta(c: dict) -> None:
-        layer = c["transformer_layer_config"]
+    def far_theta(layer: dict) -> None:
         theta = (layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta", 10000.0))
         new = float(theta) * 16
         if "rope_parameters" in layer and layer["rope_parameters"]:
             layer["rope_parameters"]["rope_theta"] = new
         layer["rope_theta"] = new
 
-    ws.edit_config(far_theta)
+    ws.edit_layer_config(far_theta)
     ws.serve_config_edit("rope_parameters", DROP)
     ws.serve_config_edit("rope_theta", DROP)
 
@@ -309,11 +338,25 @@ def _launch_without_dtype(ws: Workspace) -> None:
     del ws.launch[i:i + 2]
 
 
+def _not_in(training: str, why: str) -> tuple[str, OnEngine]:
+    return training, OnEngine(applies=False, why=why)
+
+
+SPECFORGE_LOADS_ALL = _not_in("specforge", "SpecForge's exporter requires fc, norm, lm_head, t2d and d2t, and its warm "
+                              "start refuses a checkpoint missing any but the embedding")
+SPECFORGE_NO_NORM_FLAGS = _not_in("specforge", "SpecForge's LlamaForCausalLMEagle3 has no norm_before_fc, and no config "
+                                  "it writes carries the flag")
+SPECFORGE_OWN_NUMBERING = _not_in("specforge", "SpecForge writes SGLang's layout and aux numbering itself: there are no "
+                                  "speculators ids to copy")
+
+
 FAULTS: tuple[Fault, ...] = (
     # sglang 0.5.23 maps both midlayer.* and layers.0.* itself; a name it has no rule for
     # (here a 1-based layer index from a converter) is what it still drops without a word.
     Fault("decoder_keys_renamed", "checkpoint keys the engine doesn't know are skipped (layers.0.* vs midlayer.*)",
-          "layer0.embed_norm", "keys_dropped", lambda ws: ws.serve(key_renames=(("layers.0.", "layers.1."),)),
+          "layer0.embed_norm", "keys_dropped",
+          # speculators' names and SGLang's layout's (a SpecForge export) alike.
+          lambda ws: ws.serve(key_renames=(("layers.0.", "layers.1."), ("midlayer.", "layers.1."))),
           on=(("vllm", OnEngine("audit:launch", "served_weights_refused",
                                 "vLLM's AutoWeightsLoader raises on a name no parameter has: a server would not start "
                                 "(SGLang's load_weights skips it without a word)")),)),
@@ -326,18 +369,21 @@ FAULTS: tuple[Fault, ...] = (
                                 "map repeats ids, one logit per target id survives, and its argmax leaves the draft's "
                                 "mapped argmax, so the target_token probe itself diverges")),)),
     Fault("d2t_missing", "no d2t in the checkpoint: draft ids read as target ids",
-          "target_token", "d2t_missing", lambda ws: ws.edit_tensors(lambda t: t.pop("d2t"))),
+          "target_token", "d2t_missing", lambda ws: ws.edit_tensors(lambda t: t.pop("d2t")),
+          by_training=(SPECFORGE_LOADS_ALL,)),
     Fault("lm_head_missing", "a missing lm_head left at random init",
           "logits", "lm_head_missing", lambda ws: ws.edit_tensors(lambda t: t.pop("lm_head.weight")),
           on=(("vllm", OnEngine("logits", "lm_head_replaced_by_target",
                                 "vLLM's proposer shares the target's head when the checkpoint has none "
-                                "(_maybe_share_lm_head), where SGLang leaves it uninitialised")),)),
+                                "(_maybe_share_lm_head), where SGLang leaves it uninitialised")),),
+          by_training=(SPECFORGE_LOADS_ALL,)),
     Fault("lm_head_from_target", "a missing lm_head replaced by the target's full-vocab head (set_embed_and_head, "
           "taken when draft_vocab_size is null in the serving config)",
           "logits", "lm_head_replaced_by_target", _head_from_target,
           on=(("vllm", OnEngine("audit:launch", "served_weights_refused",
                                 "with draft_vocab_size null vLLM builds no draft_id_to_target_id, and its loader refuses "
-                                "the d2t tensor: a server would not start")),)),
+                                "the d2t tensor: a server would not start")),),
+          by_training=(SPECFORGE_LOADS_ALL,)),
     Fault("draft_embedding_not_shared", "the draft's own random embedding used instead of the target's",
           "embed", "embedding_not_shared", _random_embedding,
           on=(("vllm", OnEngine(applies=False, why="vLLM's proposer shares the target's embedding whenever the "
@@ -349,11 +395,12 @@ FAULTS: tuple[Fault, ...] = (
     Fault("aux_ids_off_by_one", "aux layer ids off by one between engines (speculators' ids copied verbatim)",
           "audit:capture", "aux_layers_off_by_one", _verbatim_aux_ids,
           on=(("vllm", OnEngine(why="vLLM's runner reads the draft config's own eagle_aux_hidden_state_layer_ids "
-                                "(speculators' ids, as trained) before eagle_config's")),)),
+                                "(speculators' ids, as trained) before eagle_config's")),),
+          by_training=(SPECFORGE_OWN_NUMBERING,)),
     Fault("aux_layers_wrong_order", "aux layers concatenated in a different order than trained",
           "audit:capture", "aux_layers_wrong_order", _trained_in_reverse_order, rewrites_training=True),
     Fault("norm_flag_dropped", "the converter drops a norm flag (norm_before_fc)",
-          "fc.input", "config_flag_not_carried", _norm_flag_dropped),
+          "fc.input", "config_flag_not_carried", _norm_flag_dropped, by_training=(SPECFORGE_NO_NORM_FLAGS,)),
     Fault("rope_theta_dropped", "the converter drops rope theta / scaling",
           "layer0.attn_output", "rope_mismatch", _rope_dropped,
           on=(("vllm", OnEngine(applies=False, why="a fault of the conversion to SGLang's config; vLLM serves the "
@@ -365,7 +412,9 @@ FAULTS: tuple[Fault, ...] = (
     Fault("weights_downcast", "weights in a different dtype (bf16) from the target states (fp32)",
           "embed", "embedding_precision", _downcast_weights, dtypes=("fp32",),
           on=(("vllm", OnEngine(why="vLLM's proposer shares the target's embedding only if it equals the checkpoint's; "
-                                "the bf16-rounded copy differs, so vLLM keeps it, as speculators does")),)),
+                                "the bf16-rounded copy differs, so vLLM keeps it, as speculators does")),),
+          by_training=(_not_in("specforge", "SpecForge's exporter always writes bf16 (materialize_draft): there is "
+                                            "no wider checkpoint to downcast"),)),
     # After training: both engines agree, acceptance collapses, and the draft's own
     # norm_before_residual divergence (which costs nothing) must not take the headline.
     Fault("head_rows_shuffled_after_training", "lm_head rows reordered after training: the head out of step with d2t",
@@ -383,9 +432,11 @@ FAULTS: tuple[Fault, ...] = (
           "fc.input", "speculative_algorithm_not_eagle3",
           lambda ws: ws.set_launch_flag("--speculative-algorithm", "EAGLE"), deployed=True),
     Fault("served_aux_ids_verbatim", "speculators' aux ids copied verbatim into the served eagle_config",
-          "audit:capture", "aux_layers_off_by_one", _served_aux_ids_verbatim, deployed=True),
+          "audit:capture", "aux_layers_off_by_one", _served_aux_ids_verbatim, deployed=True,
+          by_training=(SPECFORGE_OWN_NUMBERING,)),
     Fault("served_norm_flag_missing", "norm_before_fc missing from a hand-written served config",
-          "fc.input", "config_flag_not_carried", _served_norm_flag_missing, deployed=True),
+          "fc.input", "config_flag_not_carried", _served_norm_flag_missing, deployed=True,
+          by_training=(SPECFORGE_NO_NORM_FLAGS,)),
     Fault("served_config_field_changed", "a config field changed in the served copy only (rope theta x10)",
           "layer0.attn_output", "rope_mismatch", _served_rope_theta_changed, deployed=True),
     Fault("launch_override_reaches_draft", "--json-model-override-args meant for the target (linear rope scaling "
@@ -417,7 +468,10 @@ FAULTS: tuple[Fault, ...] = (
           also=("speculative_token_map_differs",)),
     Fault("launch_draft_load_format_dummy", "--speculative-draft-load-format dummy left in the launch (a benchmark "
           "setting): the draft serves random weights", "fc.input", "draft_weights_random",
-          lambda ws: ws.set_launch_flag("--speculative-draft-load-format", "dummy"), deployed=True),
+          lambda ws: ws.set_launch_flag("--speculative-draft-load-format", "dummy"), deployed=True,
+          by_training=(("specforge", OnEngine("fc.output", "draft_weights_random", "SpecForge's draft has no norm "
+                                              "before fc: fc's input is the target's states, its output the first "
+                                              "random weights")),)),
     Fault("launch_draft_window", "--speculative-draft-window-size shorter than the prompts, for a draft trained "
           "with full attention over them", "layer0.attn_output", "draft_window_differs",
           lambda ws: ws.set_launch_flag("--speculative-draft-window-size", "4"), deployed=True),

@@ -20,8 +20,9 @@ def pytest_addoption(parser):
     group.addoption("--difftest-max-tokens", default=None, type=int, help="limit the states to this many tokens")
     group.addoption("--difftest-chain-steps", default=3, type=int,
                     help="draft steps per chain for the predicted-acceptance test (0: skip it)")
-    group.addoption("--difftest-training", default="speculators",
-                    help="the engine that trained the checkpoint: speculators | specforge")
+    group.addoption("--difftest-training", default=None,
+                    help="the engine that trained the checkpoint: speculators | specforge (default: what the "
+                    "directory shows)")
     group.addoption("--difftest-serving", default="sglang,vllm",
                     help="comma-separated serving engines to compare with training (each gets every test)")
 
@@ -30,7 +31,7 @@ def pytest_configure(config):
     from difftest.engines import TRAINING_ENGINES
 
     training = config.getoption("--difftest-training")
-    if training not in TRAINING_ENGINES:
+    if training is not None and training not in TRAINING_ENGINES:
         raise pytest.UsageError(f"--difftest-training: unknown engine {training!r}; known: {list(TRAINING_ENGINES)}")
     config.addinivalue_line("markers", "serving_engines(*names): only these serving engines run this test")
 
@@ -59,6 +60,7 @@ def difftest_on_embedded_fixture(request) -> bool:
 @pytest.fixture(scope="session")
 def difftest_result(request, serving_engine):
     from difftest.cli import quiet_engines
+    from difftest.engines import training_engine_for
     from difftest.errors import InputError
     from difftest.pipeline import candidate_adapter, prepare, reference_adapter, run
     from difftest.tolerances import DTYPES
@@ -73,10 +75,11 @@ def difftest_result(request, serving_engine):
         ckpt, target, states = fx.checkpoint, target or fx.target, states or fx.states
     try:
         inputs = prepare(ckpt, target, states, max_tokens=opt("--difftest-max-tokens"), device=opt("--difftest-device"))
+        training = opt("--difftest-training") or training_engine_for(inputs.checkpoint)
     except InputError as exc:
         pytest.fail(f"difftest: {exc}", pytrace=False)
     name = opt("--difftest-dtype")
     dtype = inputs.checkpoint.stored_dtype() if name == "auto" else DTYPES[name]
     return run(inputs, dtype=dtype, device=opt("--difftest-device"), chain_steps=opt("--difftest-chain-steps"),
                measure_target_capture=True, candidate=candidate_adapter(serving_engine),
-               reference=reference_adapter(opt("--difftest-training")))
+               reference=reference_adapter(training))

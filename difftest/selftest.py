@@ -36,6 +36,7 @@ class SelftestFixture:
     # Chain steps drafted on every run, so each fault's cost in acceptance is measured against
     # the clean run (0: not measured; a random-weight draft has no acceptance to lose).
     chain_steps: int = 0
+    training: str = "speculators"  # the training engine that wrote the checkpoint and runs it
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Outcome:
     # The headline cause's own cost, as the report gives it: {cost, method} (see diagnosis.Diagnosis.ranked).
     headline_cost: dict | None = None
     serving: str = "sglang"  # the serving engine training was compared with
+    training: str = "speculators"  # the training engine
     applies: bool = True  # False: that engine's code has no path that produces the fault (why says so)
     why: str = ""
 
@@ -128,9 +130,25 @@ def _norm_before_residual_off(ws: Workspace) -> None:
     ws.edit_config(lambda c: c.update(norm_before_residual=False))
 
 
-def fixtures(which: str) -> list[SelftestFixture]:
+def _aux_ids_vllm_reads_first(ws: Workspace) -> None:
+    """vLLM 0.32.0 counts eagle_config's ids from a layer's input, SGLang and SpecForge from its
+    output (the known aux_layers_off_by_one). A top-level eagle_aux_hidden_state_layer_ids, which
+    vLLM reads first and the other two never read, names the trained layers in vLLM's numbering:
+    without it every vLLM run of a SpecForge export shows that divergence and masks the fault."""
+    ws.edit_config(lambda c: c.update(eagle_aux_hidden_state_layer_ids=[
+        i + 1 for i in c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]))
+
+
+def fixtures(which: str, training: str = "speculators") -> list[SelftestFixture]:
     from difftest.fixturegen.default import TINY_DIR
 
+    if training == "specforge":
+        out = []
+        if which in ("tiny", "all"):
+            out.append(SelftestFixture("tiny-specforge", TINY_DIR / "specforge", TINY_DIR / "target",
+                                       TINY_DIR / "states.safetensors", training="specforge",
+                                       baseline=(("aux ids in vLLM's numbering", _aux_ids_vllm_reads_first),)))
+        return out
     out = []
     if which in ("tiny", "all"):
         out.append(SelftestFixture("tiny", TINY_DIR / "speculators", TINY_DIR / "target", TINY_DIR / "states.safetensors"))
@@ -157,10 +175,11 @@ def run_one(fx: SelftestFixture, states: CapturedStates, dtype_name: str, fault:
     t0 = time.perf_counter()
     dtype = DTYPES[dtype_name]
     deployed = deployed or (fault is not None and fault.deployed)
-    expected = fault.on_engine(serving) if fault is not None else None
+    expected = fault.on_engine(serving, fx.training) if fault is not None else None
     if expected is not None and not expected.applies:
         return Outcome(fixture=fx.name, dtype=dtype_name, fault=fault.name, expected_at="-", expected_cause=None,
-                       found_at="-", found_cause=None, seconds=0.0, serving=serving, applies=False, why=expected.why)
+                       found_at="-", found_cause=None, seconds=0.0, serving=serving, training=fx.training,
+                       applies=False, why=expected.why)
     with scratch_dir() as tmp:
         ws = Workspace.copy_of(fx.checkpoint, states, fx.target, Path(tmp), dtype)
         after_training = fault is not None and fault.after_training
@@ -177,7 +196,8 @@ def run_one(fx: SelftestFixture, states: CapturedStates, dtype_name: str, fault:
         extra = dict(training_metrics=fx.training_metrics, training_run=fx.training_run) if reads_training else {}
         result = pipeline.run(inputs, dtype=dtype, serving=ws.deployment() if deployed else ws.serving,
                               measure_noise=False, chain_steps=fx.chain_steps or (4 if after_training else 0),
-                              measure_target_capture=deployed, candidate=pipeline.candidate_adapter(serving), **extra)
+                              measure_target_capture=deployed, candidate=pipeline.candidate_adapter(serving),
+                              reference=pipeline.reference_adapter(fx.training), **extra)
     diag = result.diagnosis
     found_at, found_cause = (diag.found_at, diag.cause) if diag else ("-", None)
     if fault is not None and fault.notice_only and diag is None:
@@ -194,7 +214,7 @@ def run_one(fx: SelftestFixture, states: CapturedStates, dtype_name: str, fault:
     return Outcome(
         fixture=fx.name, dtype=dtype_name, fault=fault.name if fault else (CLEAN_DEPLOYED if deployed else CLEAN),
         expected_at=expected.caught_at if fault else "-", expected_cause=expected.diagnosis if fault else None,
-        serving=serving, why=expected.why if fault else "",
+        serving=serving, training=fx.training, why=expected.why if fault else "",
         found_at=found_at, found_cause=found_cause,
         seconds=time.perf_counter() - t0, accept_length=accept, cost=cost,
         unnamed_also=tuple(c for c in (fault.also if fault else ()) if diag is None or c not in diag.also),
@@ -205,10 +225,10 @@ def run_one(fx: SelftestFixture, states: CapturedStates, dtype_name: str, fault:
 
 def run_selftest(which: str = "all", dtypes: Iterable[str] = ("fp32", "bf16"), only: Iterable[str] | None = None,
                  on_outcome: Callable[[Outcome], None] | None = None, max_tokens: int | None = None,
-                 serving: Iterable[str] = ("sglang",)) -> Score:
+                 serving: Iterable[str] = ("sglang",), training: str = "speculators") -> Score:
     chosen = [f for f in FAULTS if only is None or f.name in set(only)]
     outcomes = []
-    for fx in fixtures(which):
+    for fx in fixtures(which, training):
         states = load_states(fx.states)
         if max_tokens:
             states = states.head(max_tokens)
@@ -216,7 +236,7 @@ def run_selftest(which: str = "all", dtypes: Iterable[str] = ("fp32", "bf16"), o
             applicable = [f for f in chosen if dtype_name in f.dtypes and (fx.training_metrics or not f.after_training)]
             clean = None
             runs = [(None, False), *[(f, False) for f in applicable]]
-            if any(f.deployed and f.on_engine(engine).applies for f in applicable):
+            if any(f.deployed and f.on_engine(engine, fx.training).applies for f in applicable):
                 runs.insert(1, (None, True))  # a correct served copy and command: no false alarm
             for fault, deployed in runs:
                 outcome = run_one(fx, states, dtype_name, fault, deployed, serving=engine)
@@ -283,7 +303,9 @@ def format_headline_cost(headline: dict | None) -> str:
 
 
 def render_markdown(score: Score) -> str:
-    lines = ["# difftest selftest", "", f"{score_line(score)[0].upper()}{score_line(score)[1:]}.", "",
+    trainers = ", ".join(dict.fromkeys(o.training for o in score.outcomes))
+    lines = ["# difftest selftest", "", f"Trained with {trainers}; each serving engine compared with it.", "",
+             f"{score_line(score)}.", "",
              "| serving | fixture | dtype | fault | expected place | found place | diagnosis | cost in accept length "
              "| the headline's own cost (how measured) | result |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -310,7 +332,9 @@ def write_selftest(score: Score, out_dir: str | Path) -> dict[str, Path]:
            "catalog": [{"name": f.name, "bug_class": f.bug_class, "caught_at": f.caught_at, "diagnosis": f.diagnosis,
                         "dtypes": list(f.dtypes),
                         "on": {e: {"caught_at": o.caught_at, "diagnosis": o.diagnosis, "why": o.why, "applies": o.applies}
-                               for e, o in f.on}} for f in FAULTS],
+                               for e, o in f.on},
+                        "by_training": {t: {"caught_at": o.caught_at, "diagnosis": o.diagnosis, "why": o.why,
+                                            "applies": o.applies} for t, o in f.by_training}} for f in FAULTS],
            "outcomes": [o.as_dict() for o in score.outcomes]}
     atomic_write(paths["json"], json.dumps(doc, indent=2) + "\n")
     atomic_write(paths["md"], render_markdown(score))

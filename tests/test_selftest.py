@@ -36,6 +36,25 @@ def test_selftest_on_tiny_catches_every_fault_in_both_dtypes(tiny):
     assert tree_hash(tiny) == before  # every fault edits scratch copies only
 
 
+@pytest.mark.parametrize("serving", ["sglang", "vllm"])
+def test_selftest_with_specforge_as_training_catches_what_its_drafts_can_carry(tiny, serving):
+    """The catalog against a SpecForge export, one column per serving engine: every fault a
+    SpecForge draft can carry caught at its place, and each that it cannot said so with why."""
+    before = tree_hash(tiny)
+    score = run_selftest("tiny", serving=(serving,), training="specforge")
+    misses = [o.as_dict() for o in score.outcomes if not o.passed and o.applies]
+    assert score.ok and {o.training for o in score.outcomes} == {"specforge"}, misses
+    absent = {o.fault for o in score.outcomes if not o.applies}
+    declared = {f.name for f in FAULTS if not f.on_engine(serving, "specforge").applies}
+    assert absent == declared and {"d2t_missing", "norm_flag_dropped"} <= absent
+    assert all(o.why for o in score.outcomes if not o.applies)
+    # Where SpecForge's draft meets a fault elsewhere than speculators', the place moves with it.
+    if serving == "sglang":
+        dummy = [o for o in score.outcomes if o.fault == "launch_draft_load_format_dummy"]
+        assert dummy and all(o.found_at == "fc.output" for o in dummy)
+    assert tree_hash(tiny) == before
+
+
 def test_a_fault_found_at_another_place_is_a_miss(tiny):
     # Localization is part of the score: the same fault declared at the wrong probe fails.
     fx = fixtures("tiny")[0]
@@ -60,6 +79,7 @@ def test_selftest_cli_writes_its_table_and_exits_zero(tmp_path):
     (["--fault", "no_such_fault"], "unknown fault(s) no_such_fault"),
     (["--dtype", "fp8"], "--dtype must be one of"),
     (["--fixture", "huge"], "--fixture must be tiny, default or all"),
+    (["--training", "axolotl"], "--training takes one of speculators, specforge"),
 ])
 def test_selftest_bad_options_are_one_line_errors(tmp_path, args, message):
     proc = difftest("selftest", *args, "--out", tmp_path)

@@ -62,6 +62,8 @@ def test_the_ledger_and_the_capture_plan_are_specforges(inputs, specforge, tiny)
 @pytest.mark.parametrize("args, says", [
     (["--training", "specforge", "{tiny}/speculators"], "SpecForge reads the directory its export writes"),
     (["--training", "axolotl", "{tiny}/specforge"], "--training takes one of speculators, specforge"),
+    # SpecForge's export says nothing of its trainer, and a converted speculators draft has the same layout.
+    (["{tiny}/specforge"], "nothing that says which trainer wrote it"),
 ])
 def test_a_checkpoint_specforge_cannot_read_is_one_line_and_exit_2(tiny, tmp_path, args, says):
     args = [a.format(tiny=tiny) for a in args]
@@ -93,3 +95,15 @@ def test_a_specforge_draft_with_norm_output_is_diagnosed_from_the_state_it_hands
     again = run(plain, dtype=torch.float32, reference=reference_adapter("specforge"), candidate=candidate_adapter("sglang"))
     assert again.diagnosis is None or again.diagnosis.cause != "norm_output_read_differently"
     assert all(r.ok for r in again.comparison.results)
+
+
+def test_the_trainer_is_read_from_the_directory_where_it_says(tiny):
+    from difftest.engines import training_engine_for
+    from difftest.errors import InputError
+
+    assert training_engine_for(load_checkpoint(tiny / "speculators")) == "speculators"
+    # difftest's conversion keeps speculators' norm flags, which SpecForge's draft has no notion of.
+    assert "norm_before_fc" in load_checkpoint(tiny / "legacy").config
+    assert training_engine_for(load_checkpoint(tiny / "legacy")) == "speculators"
+    with pytest.raises(InputError, match="--training speculators or --training specforge"):
+        training_engine_for(load_checkpoint(tiny / "specforge"))

@@ -330,6 +330,11 @@ class EngineAdapter(Protocol):
         """For a serving engine: whether this launch command starts its server."""
         ...
 
+    def recognizes(self, checkpoint: Checkpoint) -> str | None:
+        """For a training engine: why this directory is one its trainer wrote, or None when the
+        directory does not say (engines.training_engine_for then asks for --training)."""
+        ...
+
     def deployment_plan(self, checkpoint: Checkpoint, target: TargetWeights, options: RunOptions) -> DeploymentPlan | None:
         """For a serving engine given `options.serving.deployment`: what its launch command
         resolves to. None for an engine that does not serve."""

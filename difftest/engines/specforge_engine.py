@@ -74,6 +74,12 @@ class SpecForgeAdapter:
     def deployment_plan(self, checkpoint, target, options):
         return None  # a training engine: it runs the checkpoint as trained, nothing is launched
 
+    @staticmethod
+    def recognizes(checkpoint: Checkpoint) -> str | None:
+        """SpecForge 0.2.0's export carries no provenance (to_sglang.py writes the draft config as
+        transformers saves it): no directory says by itself that SpecForge trained it."""
+        return None
+
     def capture_plan(self, checkpoint: Checkpoint, target: TargetWeights, options: RunOptions) -> CapturePlan:
         """The layers SpecForge trains this draft on: its configured ids (model_providers reads
         eagle_config's), captured by SGLang's set_eagle3_layers_to_capture, which adds one."""

@@ -39,8 +39,23 @@ def _all_nan(t: torch.Tensor) -> bool:
     return t.is_floating_point() and t.numel() > 0 and bool(t.view(-1)[0].isnan()) and bool(t.isnan().all())
 
 
+# Draft flags of speculators' Eagle3 model that SpecForge's LlamaForCausalLMEagle3 has no
+# notion of: a legacy directory that carries them was converted from a speculators draft.
+SPECULATORS_ONLY_FIELDS = ("norm_before_fc", "norm_before_residual")
+
+
 class SpeculatorsAdapter:
     name = "speculators"
+
+    @staticmethod
+    def recognizes(checkpoint: Checkpoint) -> str | None:
+        """Why `checkpoint` is a speculators draft, or None when the directory does not say."""
+        if checkpoint.format is CheckpointFormat.SPECULATORS:
+            return "speculators' format"
+        fields = [f for f in SPECULATORS_ONLY_FIELDS if f in checkpoint.config]
+        if fields:
+            return f"SGLang's layout carrying {', '.join(fields)}, fields only speculators' draft has"
+        return None
 
     def deployment_plan(self, checkpoint, target, options):
         return None  # a training engine: it runs the checkpoint as trained, nothing is launched
