@@ -228,11 +228,6 @@ def run(
                                   cand_run, dtype)
         findings += served.pop("findings")
     rows = None
-    if audit_config and not getattr(reference, "measures_config", True):
-        # The audit's variants are speculators-format copies; a training engine that reads another
-        # layout cannot run them, and a half-measured table would read as "inert".
-        on_step(f"audit: config fields not measured ({reference.name} reads another checkpoint layout)")
-        audit_config = False
     if audit_config:
         from difftest.audit.config import audit_config as run_config_audit
 
@@ -242,10 +237,8 @@ def run(
         plain = replace(options, serving=replace(options.serving, deployment=None))
         rows, config_findings = run_config_audit(inputs.checkpoint, inputs.target, inputs.states, reference, candidate, plain,
                                                  runs=config_audit_runs)
-        from difftest.audit.config import rule_for
-
         # A known divergence the audit has just measured is reported as measured, once.
-        measured = {rule_for(r["field"]).cause for r in rows if "perturbed_to" in r} | {f.cause for f in config_findings}
+        measured = {r["cause"] for r in rows if "perturbed_to" in r} | {f.cause for f in config_findings}
         findings = [f for f in findings if not (f.check == "known" and f.cause in measured)] + config_findings
     parity = None
     if measure_target_capture:

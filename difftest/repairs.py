@@ -113,11 +113,11 @@ def _served_config_restored(served: Checkpoint, sources: RepairSources, args: di
 
 
 def _config_as_served(ckpt: Checkpoint, _sources: RepairSources, args: dict) -> Repaired:
-    """The speculators config with the fields the serving engine ignores set to what it behaves as."""
-    from difftest.checkpoint import CheckpointFormat
-
-    if ckpt.format is not CheckpointFormat.SPECULATORS:
-        raise RepairNotApplicable("the field is a speculators config path; this checkpoint is in the legacy layout")
+    """The training config with the fields the serving engine ignores set to what it behaves as
+    (the edits' paths are in the layout the config audit measured them in)."""
+    layout = args.get("layout", "speculators")
+    if ckpt.format.value != layout:
+        raise RepairNotApplicable(f"the field is a path of {layout}'s layout; this checkpoint is in {ckpt.format.value}'s")
     config = json.loads(json.dumps(ckpt.config))
     for path, value in args["edits"]:
         node = config

@@ -107,3 +107,21 @@ def test_the_trainer_is_read_from_the_directory_where_it_says(tiny):
     assert training_engine_for(load_checkpoint(tiny / "legacy")) == "speculators"
     with pytest.raises(InputError, match="--training speculators or --training specforge"):
         training_engine_for(load_checkpoint(tiny / "specforge"))
+
+
+def test_the_config_audit_measures_a_specforge_export_in_its_own_layout(inputs, specforge):
+    """Variants are written as SpecForge's exporter writes them (the transformer fields at the
+    top), and each field is measured in SpecForge and in SGLang."""
+    result = run(inputs, dtype=torch.float32, reference=specforge, candidate=candidate_adapter("sglang"),
+                 audit_config=True)
+    rows = {r["field"]: r for r in result.config_audit}
+    assert "transformer_layer_config.rms_norm_eps" not in rows
+    assert rows["rms_norm_eps"]["verdict"] == "honored by both"
+    assert rows["rope_parameters.rope_theta"]["verdict"] == "honored by both"
+    assert rows["rms_norm_eps"]["training_effect"] > 0.01
+    # SpecForge's config reader forces tie_word_embeddings off and SGLang honors it: at false, the
+    # export's value, both compute the same draft, so it is benign and no verdict.
+    assert rows["tie_word_embeddings"]["verdict"] == "changes sglang only"
+    tied = [f for f in result.findings if f.cause == "tied_embeddings"]
+    assert tied and all(f.severity.value == "benign" for f in tied)
+    assert result.diagnosis is None

@@ -76,10 +76,11 @@ FIELD_RULES: tuple[FieldRule, ...] = (
     FieldRule("transformer_layer_config.use_sliding_window", "behavioral", _toggle, None, "sliding_window_ignored",
               acts_beyond=declared_window),
     FieldRule("transformer_layer_config.hidden_act", "behavioral", lambda v: "gelu" if v != "gelu" else "silu"),
-    FieldRule("transformer_layer_config.tie_word_embeddings", "behavioral", _toggle, None, "tied_embeddings"),
+    FieldRule("transformer_layer_config.tie_word_embeddings", "behavioral", _toggle, False, "tied_embeddings"),
     FieldRule("transformer_layer_config.max_position_embeddings", "behavioral", lambda v: max(int(v) // 8, 64)),
-    FieldRule("tie_word_embeddings", "behavioral", _toggle, None, "tied_embeddings"),
+    FieldRule("tie_word_embeddings", "behavioral", _toggle, False, "tied_embeddings"),
     FieldRule("eagle_aux_hidden_state_layer_ids", "capture", why="which target layers are captured: see the capture audit"),
+    FieldRule("eagle_config.*", "capture", why="which target layers are captured (SGLang's layout): see the capture audit"),
     FieldRule("draft_vocab_size", "structural", why="must equal lm_head rows and d2t length (checked against the tensors)"),
     FieldRule("target_hidden_size", "structural", why="sets fc's input width (checked against the tensors)"),
     FieldRule("transformer_layer_config.hidden_size", "structural"),
@@ -118,8 +119,21 @@ def _leaves(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
     return out
 
 
-def rule_for(path: str) -> FieldRule | None:
-    return next((r for r in FIELD_RULES if fnmatch.fnmatch(path, r.pattern)), None)
+# The table is written in speculators' layout. SGLang's layout (what SpecForge exports) keeps the
+# transformer fields at the top: a path there is read as its speculators twin when no rule names it.
+LAYER_PREFIX = "transformer_layer_config."
+
+
+def rule_for(path: str, layout: CheckpointFormat = CheckpointFormat.SPECULATORS) -> FieldRule | None:
+    rule = next((r for r in FIELD_RULES if fnmatch.fnmatch(path, r.pattern)), None)
+    if rule is None and layout is CheckpointFormat.LEGACY:
+        return rule_for(LAYER_PREFIX + path)
+    return rule
+
+
+def in_layout(path: str, layout: CheckpointFormat) -> str:
+    """A path of the table (speculators' layout) where `layout` keeps that field."""
+    return path.removeprefix(LAYER_PREFIX) if layout is CheckpointFormat.LEGACY else path
 
 
 def _set(d: dict, path: str, value) -> dict:
@@ -210,7 +224,9 @@ def audit_config(ckpt: Checkpoint, target: TargetWeights, states: CapturedStates
     findings: list[Finding] = []
     with tempfile.TemporaryDirectory(prefix="difftest-cfg-") as tmp:
         root = Path(tmp)
-        if ckpt.format is CheckpointFormat.LEGACY:
+        # Variants are written in the layout the training engine reads (its adapter says which).
+        layout = getattr(reference, "checkpoint_layout", CheckpointFormat.SPECULATORS)
+        if ckpt.format is CheckpointFormat.LEGACY and layout is CheckpointFormat.SPECULATORS:
             from difftest.convert import legacy_to_speculators
 
             legacy_to_speculators(ckpt, root / "base", verifier_path=str(target.path))
@@ -225,10 +241,10 @@ def audit_config(ckpt: Checkpoint, target: TargetWeights, states: CapturedStates
         if broken:
             # A flipped field cannot be told apart from NaN already in the outputs: every
             # variant would "change" the forward. Say so instead of reporting findings.
-            return [{"field": path, "value": value, "kind": (rule_for(path) or FieldRule("", "unclassified")).kind,
+            return [{"field": path, "value": value, "kind": (rule_for(path, base.format) or FieldRule("", "unclassified")).kind,
                      "verdict": f"not measured: {broken}"} for path, value in _leaves(base.config)], []
         for i, (path, value) in enumerate(_leaves(config)):
-            rule = rule_for(path)
+            rule = rule_for(path, base.format)
             if rule is not None and rule.kind == "behavioral":
                 row, finding = _measure_field(i, path, value, rule, base, base_ref, base_cand, root, e)
                 rows.append(row)
@@ -246,13 +262,13 @@ def _measure_field(i: int, path: str, value, rule: FieldRule, base: Checkpoint, 
                    base_cand: EngineRun, root: Path, e: _Engines) -> tuple[dict, Finding | None]:
     """One behavioral field: both engines built from a variant with the field perturbed,
     each compared with its own baseline."""
-    row = {"field": path, "value": value, "kind": rule.kind}
+    row = {"field": path, "value": value, "kind": rule.kind, "cause": rule.cause}
     training, serving = e.reference.name, e.candidate.name
     new = rule.perturb(value)
     row["perturbed_to"] = new
     variant_cfg = _set(base.config, path, new)
     for extra_path, extra_value in rule.also:
-        variant_cfg = _set(variant_cfg, extra_path, extra_value)
+        variant_cfg = _set(variant_cfg, in_layout(extra_path, base.format), extra_value)
     variant = _variant(base, variant_cfg, root, f"v{i}")
     ref_v, cand_v = _run(e.reference, variant, e), _run(e.candidate, variant, e)
     ref_eff = _effect(base_ref, ref_v) if not isinstance(ref_v, str) else None
@@ -274,8 +290,15 @@ def _measure_field(i: int, path: str, value, rule: FieldRule, base: Checkpoint, 
         row["verdict"] = "inert in both" + (f" ({rule.why})" if rule.why else "")
     elif cand_changes:
         row["verdict"] = f"changes {serving} only"
-        finding = Finding(CHECK, rule.cause, Severity.ERROR,
-                          f"{path} changes {serving}'s forward but not {training}'s", {"serving_effect": cand_eff})
+        if value == rule.neutral:
+            # SpecForge's config reader, for one, forces tie_word_embeddings off: at the neutral
+            # value the serving engine computes what training does, and only another value would not.
+            finding = Finding(CHECK, rule.cause, Severity.BENIGN,
+                              f"{path} changes {serving}'s forward but not {training}'s; benign here: this "
+                              f"checkpoint's value {value!r} is the neutral one", {"serving_effect": cand_eff})
+        else:
+            finding = Finding(CHECK, rule.cause, Severity.ERROR,
+                              f"{path} changes {serving}'s forward but not {training}'s", {"serving_effect": cand_eff})
     else:
         row["verdict"] = f"ignored by {serving}"
         finding = _ignored_finding(path, value, rule, base, base_ref, root, i, e)
@@ -286,8 +309,8 @@ def _ignored_finding(path, value, rule: FieldRule, base: Checkpoint, base_ref: E
     """Measure what the ignored field does at this checkpoint's value: training's forward at it against
     training's forward at the neutral value."""
     if rule.neutral is None and path.endswith(("sliding_window", "layer_types", "use_sliding_window")):
-        edits = [("transformer_layer_config.layer_types", ["full_attention"] * base.spec.num_hidden_layers),
-                 ("transformer_layer_config.sliding_window", None)]
+        edits = [(in_layout(LAYER_PREFIX + "layer_types", base.format), ["full_attention"] * base.spec.num_hidden_layers),
+                 (in_layout(LAYER_PREFIX + "sliding_window", base.format), None)]
     elif rule.neutral is not None or path.endswith("rope_scaling"):
         edits = [(path, rule.neutral)]
     else:
@@ -314,7 +337,8 @@ def _ignored_finding(path, value, rule: FieldRule, base: Checkpoint, base_ref: E
     if measured:
         # What the serving engine computes is training's forward at the neutral value: drafting
         # the chain that way in the training engine costs the cause alone (difftest/repairs.py).
-        measured["undo"] = {"repair": "config_as_served", "engine": "reference", "args": {"edits": edits}}
+        measured["undo"] = {"repair": "config_as_served", "engine": "reference",
+                            "args": {"edits": edits, "layout": base.format.value}}
     return Finding(CHECK, rule.cause, Severity.ERROR,
                    f"{e.candidate.name} ignores {path}={value!r}, which changes {e.reference.name}'s forward" +
                    (f" (vs {rule.neutral!r}: draft-token agreement {measured['draft_token_agreement']:.3f}, "

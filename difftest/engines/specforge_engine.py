@@ -68,8 +68,8 @@ def _check_format(checkpoint: Checkpoint) -> None:
 
 class SpecForgeAdapter:
     name = "specforge"
-    # The config audit measures fields on speculators-format variants, which SpecForge cannot read.
-    measures_config = False
+    # The config audit writes its variants in the layout this engine reads: its export's.
+    checkpoint_layout = CheckpointFormat.LEGACY
 
     def deployment_plan(self, checkpoint, target, options):
         return None  # a training engine: it runs the checkpoint as trained, nothing is launched

@@ -46,6 +46,9 @@ SPECULATORS_ONLY_FIELDS = ("norm_before_fc", "norm_before_residual")
 
 class SpeculatorsAdapter:
     name = "speculators"
+    # The config audit writes its variants in the layout this engine reads (a legacy directory
+    # is converted first, as this adapter converts it to run it).
+    checkpoint_layout = CheckpointFormat.SPECULATORS
 
     @staticmethod
     def recognizes(checkpoint: Checkpoint) -> str | None:
