@@ -88,7 +88,8 @@ def parse_dtype(name: str):
 
 @app.command()
 def report(
-    checkpoint: Optional[Path] = typer.Argument(None, help="draft checkpoint dir (default: the embedded SmolLM2 fixture)"),
+    checkpoint: Optional[Path] = typer.Argument(None, help="draft checkpoint dir (default: the embedded SmolLM2 fixture; "
+                                                "with --training specforge, the SpecForge draft on the same target)"),
     target: Optional[Path] = typer.Option(None, help="HF target model dir (embedding, head, norm); default: the "
                                           "verifier the checkpoint's config names, else a target/ beside or above it"),
     states: Optional[Path] = typer.Option(None, help="captured hidden states: a difftest states file, a speculators "
@@ -163,7 +164,17 @@ def report(
         with output_dir(out, inputs), tracker.live():
             jobs: list[tuple[Path, Path]] = []
             extra: dict = {}
-            if checkpoint is None:
+            if checkpoint is None and training_engine == "specforge":
+                from difftest.fixturegen import specforge_smollm2
+
+                tracker.extend([PlannedStep("report:legacy", "report (SpecForge's export)",
+                                            REPORT_ESTIMATE_S * len(engines))])
+                sf = specforge_smollm2.build(tracker=tracker)
+                target, states = target or sf.fixture.target, states or sf.states
+                # The export as SpecForge wrote it, served as it is with the command beside it.
+                jobs = [(sf.draft, out)]
+                deployment = deployment or read_deployment(sf.draft, None, sf.launch)
+            elif checkpoint is None:
                 import json
 
                 from difftest.fixturegen.default import default_fixture
@@ -599,15 +610,16 @@ def fuzz(
 
 @app.command("build-fixtures")
 def build_fixtures(
-    which: str = typer.Argument("tiny", help="tiny | default | llama3.1-8b | kimi-k2.5 (random weights at real shapes)"),
+    which: str = typer.Argument("tiny", help="tiny | default | specforge (a SpecForge draft on the default's target) | "
+                                "llama3.1-8b | kimi-k2.5 (random weights at real shapes)"),
     out: Optional[Path] = typer.Option(None, help="output dir (tiny: default fixtures/tiny; real shapes: default .cache/difftest/<name>)"),
-    from_scratch: bool = typer.Option(False, help="default: generate and train for real instead of using the shipped, checksummed generations and draft"),
-    ship: bool = typer.Option(False, help="default, with --from-scratch: write the result to fixtures/smollm2 as the shipped artifact"),
+    from_scratch: bool = typer.Option(False, help="default, specforge: generate and train for real instead of using the shipped, checksummed generations and draft"),
+    ship: bool = typer.Option(False, help="default, specforge, with --from-scratch: write the result to fixtures/ as the shipped artifact"),
 ) -> None:
     """Build the tiny committed fixture, the SmolLM2 default fixture, or a real-shape random draft."""
     quiet_engines(False)
-    if (from_scratch or ship) and which != "default":
-        fail("--from-scratch and --ship apply to the default fixture only")
+    if (from_scratch or ship) and which not in ("default", "specforge"):
+        fail("--from-scratch and --ship apply to the default and specforge fixtures only")
     if ship and not from_scratch:
         fail("--ship writes a from-scratch build; add --from-scratch")
     if out is not None:
@@ -635,6 +647,17 @@ def build_fixtures(
         except InputError as exc:
             fail(str(exc))
         typer.echo(f"built {fx.checkpoint}" + (f"; shipped as {shipped}" if shipped else ""))
+    elif which == "specforge":
+        from difftest.fixturegen import specforge_smollm2
+
+        # Only SpecForge's own steps are rebuilt from scratch: the default fixture's shipped
+        # conversations are what the speculators draft trained on too.
+        try:
+            p = specforge_smollm2.build(from_scratch=from_scratch)
+            shipped = specforge_smollm2.ship(p) if ship else None
+        except InputError as exc:
+            fail(str(exc))
+        typer.echo(f"built {p.draft}" + (f"; shipped as {shipped}" if shipped else ""))
     elif which in ("llama3.1-8b", "kimi-k2.5"):
         from difftest.fixturegen import realshape
         from difftest.fixturegen.cache import cache_root
@@ -642,7 +665,7 @@ def build_fixtures(
         dest = realshape.build(which, out or cache_root() / which)
         typer.echo(f"built {dest} (speculators/, legacy/, target/, states.safetensors)")
     else:
-        fail(f"unknown fixture {which!r}: expected tiny, default, llama3.1-8b or kimi-k2.5")
+        fail(f"unknown fixture {which!r}: expected tiny, default, specforge, llama3.1-8b or kimi-k2.5")
 
 
 def main() -> None:

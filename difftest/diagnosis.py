@@ -176,9 +176,14 @@ RULES: tuple[Rule, ...] = (
          fix="Use a target model class with set_eagle3_layers_to_capture and keep eagle_config.use_aux_hidden_state true."),
     Rule("aux_layers_off_by_one", findings=("aux_layers_off_by_one",),
          explanation=("The server would capture each aux layer one off from the layers the draft was trained on. "
-                      "speculators' id k is HF hidden_states[k]; SGLang's set_eagle3_layers_to_capture adds 1 to explicit "
-                      "ids. The draft then reads states it has never seen and no error is raised."),
-         fix="Write eagle_config.eagle_aux_hidden_state_layer_ids in SGLang's convention: speculators' ids minus 1 (difftest's converter does this)."),
+                      "The engines number aux ids differently: speculators' id k is HF hidden_states[k]; SGLang's "
+                      "set_eagle3_layers_to_capture adds 1 to explicit ids (SpecForge counts the same way); vLLM's "
+                      "runner reads eagle_config's ids as a layer's input. The draft then reads states it has never "
+                      "seen and no error is raised."),
+         fix=("For SGLang, write eagle_config.eagle_aux_hidden_state_layer_ids in its convention: speculators' ids "
+              "minus 1 (difftest's converter does this). For vLLM 0.32.0, serve speculators' format, or add a top-level "
+              "eagle_aux_hidden_state_layer_ids in HF numbering (SGLang's ids plus 1), which vLLM reads before "
+              "eagle_config's and SGLang and SpecForge never read.")),
     Rule("aux_layers_wrong_order", findings=("aux_layers_wrong_order",),
          explanation=("The server concatenates the aux layers in layer order; the draft was trained on them in another "
                       "order, so fc mixes the wrong slices."),

@@ -144,10 +144,16 @@ def fixtures(which: str, training: str = "speculators") -> list[SelftestFixture]
 
     if training == "specforge":
         out = []
+        vllm_numbering = (("aux ids in vLLM's numbering", _aux_ids_vllm_reads_first),)
         if which in ("tiny", "all"):
             out.append(SelftestFixture("tiny-specforge", TINY_DIR / "specforge", TINY_DIR / "target",
-                                       TINY_DIR / "states.safetensors", training="specforge",
-                                       baseline=(("aux ids in vLLM's numbering", _aux_ids_vllm_reads_first),)))
+                                       TINY_DIR / "states.safetensors", training="specforge", baseline=vllm_numbering))
+        if which in ("default", "all"):
+            from difftest.fixturegen import specforge_smollm2
+
+            sf = specforge_smollm2.build()
+            out.append(SelftestFixture("smollm2-specforge", sf.draft, sf.fixture.target, sf.states, training="specforge",
+                                       baseline=vllm_numbering, chain_steps=4))
         return out
     out = []
     if which in ("tiny", "all"):

@@ -125,3 +125,51 @@ def test_the_config_audit_measures_a_specforge_export_in_its_own_layout(inputs, 
     tied = [f for f in result.findings if f.cause == "tied_embeddings"]
     assert tied and all(f.severity.value == "benign" for f in tied)
     assert result.diagnosis is None
+
+
+def test_the_specforge_fixture_gets_a_verdict_from_every_serving_engine(tmp_path):
+    """`difftest report --training specforge`: the SpecForge draft trained by SpecForge's trainer on
+    SmolLM2, served by SGLang from the export as it is (with its launch command) and by vLLM. Every
+    engine's acceptance is predicted from its own chain, and each verdict comes from the probes."""
+    import json
+    import os
+
+    from difftest.fixturegen import specforge_smollm2
+    from tests.conftest import tree_hash
+
+    shipped = tree_hash(specforge_smollm2.SHIPPED_DIR)
+    env = {k: v for k, v in os.environ.items() if k != "DIFFTEST_SERVING"}
+    proc = subprocess.run([sys.executable, "-m", "difftest.cli", "report", "--training", "specforge", "--out",
+                           str(tmp_path), "-q"], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    rep = json.loads((tmp_path / "report.json").read_text())
+    sides = {name: c for name, c in rep["comparisons"].items()}
+    assert set(sides) == {"sglang", "vllm"}
+    sglang = sides["sglang"]
+    assert {c["engines"]["reference"]["name"] for c in sides.values()} == {"specforge"}
+    accept = {name: c["acceptance"] for name, c in sides.items()}
+    for name, a in accept.items():
+        # A trained draft: the chain is accepted beyond chance, the same in training and serving
+        # wherever the probes agree.
+        assert a["reference"]["mean_accept_length"] > 1.1, name
+    assert sglang["verdict"] == "PARITY"
+    assert abs(accept["sglang"]["reference"]["mean_accept_length"] - accept["sglang"]["candidate"]["mean_accept_length"]) <= 0.05
+    # vLLM reads eagle_config's ids from a layer's input, SGLang and SpecForge from its output.
+    assert sides["vllm"]["diagnosis"]["cause"] == "aux_layers_off_by_one"
+    assert proc.stdout.startswith("DIVERGED: accept length sglang")
+    assert tree_hash(specforge_smollm2.SHIPPED_DIR) == shipped
+
+
+def test_a_shipped_specforge_draft_that_fails_its_checksum_is_refused(tmp_path, monkeypatch):
+    import shutil
+
+    from difftest.errors import InputError
+    from difftest.fixturegen import specforge_smollm2
+
+    copy = tmp_path / "shipped"
+    shutil.copytree(specforge_smollm2.SHIPPED_DIR, copy)
+    (copy / "config.json").write_text((copy / "config.json").read_text().replace("100000.0", "10000.0"))
+    monkeypatch.setattr(specforge_smollm2, "SHIPPED_DIR", copy)
+    p = specforge_smollm2.Paths(tmp_path / "cache" / "specforge")
+    with pytest.raises(InputError, match="does not match its checksum"):
+        specforge_smollm2.restore(p, specforge_smollm2.shipped_manifest())

@@ -38,10 +38,10 @@ DEFAULT_AUX_IDS = "[1, N//2 - 1, N - 4] (algorithms/model_providers.py)"
 
 
 @contextlib.contextmanager
-def _trainer_on(device: str):
+def trainer_on(device: str):
     """What SpecForge needs to run off a GPU. Its loss is a Triton kernel (core/loss.py
-    LogSoftmaxLoss) with no CPU driver: the loss never reaches the logits difftest records, so on
-    CPU a plain log-softmax stands in for it. Its rotary and norm helpers are torch.compile'd at
+    LogSoftmaxLoss) with no CPU driver: on CPU a plain log-softmax of the same math stands in for it
+    (the loss never reaches the logits difftest records; the fixture's training run backpropagates it). Its rotary and norm helpers are torch.compile'd at
     import; eager runs them without a first-call compile (their outputs differ by 1e-7 in fp32)."""
     import specforge.algorithms.eagle3.model as trainer
 
@@ -207,7 +207,7 @@ class SpecForgeAdapter:
         target_hidden = torch.zeros(*ids.shape, model.config.hidden_size, dtype=options.dtype, device=device)
         head = torch.zeros(model.vocab_size, model.config.hidden_size, dtype=options.dtype, device=device)
         try:
-            with _trainer_on(device) as trainer:
+            with trainer_on(device) as trainer:
                 unroll = trainer.OnlineEagle3Model(model, length=steps, attention_backend=ATTENTION_BACKEND)
                 unroll(input_ids=ids.to(device), attention_mask=mask, target=None, loss_mask=mask[..., None].float(),
                        hidden_states=hidden.to(device), target_hidden_for_compact=target_hidden,

@@ -553,22 +553,27 @@ def plan(p: Paths) -> list[BuildStep]:
 
 def build(tracker=None) -> Paths:
     """Build every missing step, in order, reporting to a progress.Tracker when given."""
-    from difftest.progress import PlannedStep
-
     p = Paths(cache_root() / "smollm2")
     p.root.mkdir(parents=True, exist_ok=True)
-    steps = plan(p)
+    run_steps(p.root, plan(p), tracker)
+    return p
+
+
+def run_steps(root: Path, steps: list[BuildStep], tracker=None) -> None:
+    """Run the steps not yet done under `root`, in order, and record each."""
+    from difftest.progress import PlannedStep
+
     # A record of a step no longer in the plan (an older converter's export, the other
     # build mode) describes outputs that have since been rebuilt: drop it rather than
     # leave stale provenance.
     current = {s.name for s in steps}
-    for record in p.root.glob("*.done.json"):
+    for record in root.glob("*.done.json"):
         if record.name[: -len(".done.json")] not in current:
             record.unlink()
     # A step whose input was rebuilt must rebuild too: once one step runs, every later one does.
     pending, stale = [], False
     for s in steps:
-        stale = stale or not Step(p.root, s.name, s.outputs).done()
+        stale = stale or not Step(root, s.name, s.outputs).done()
         if stale:
             pending.append(s)
     if tracker is not None:
@@ -580,7 +585,6 @@ def build(tracker=None) -> Paths:
             (lambda *a, **k: None)
         t0 = time.perf_counter()
         info = s.run(say)
-        Step(p.root, s.name, s.outputs).finish(time.perf_counter() - t0, **info)
+        Step(root, s.name, s.outputs).finish(time.perf_counter() - t0, **info)
         if tracker is not None:
             tracker.finish(s.name)
-    return p

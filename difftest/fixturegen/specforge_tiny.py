@@ -1,12 +1,12 @@
 """The tiny SpecForge draft (fixtures/tiny/specforge): built with SpecForge's own model class and
 written by SpecForge's own exporter, on the tiny target.
 
-Training it with SpecForge's trainer would need an SGLang server for its online capture (its
-offline capture backend does not import beside sglang 0.5.23), so the draft is initialized with
-LlamaForCausalLMEagle3, its weights spread as the tiny speculators draft's are (SpecForge's 0.02
-init leaves activations too small to tell probes apart), its vocab map taken from the tiny
-draft, then saved as a training state and exported with `export_to_sglang`, exactly as a SpecForge
-run's final checkpoint would be.
+The tiny target is random, so there is nothing for a trainer to learn (the SmolLM2 SpecForge
+fixture, difftest/fixturegen/specforge_smollm2.py, is trained by SpecForge's trainer). The draft is
+initialized with LlamaForCausalLMEagle3, its weights spread as the tiny speculators draft's are
+(SpecForge's 0.02 init leaves activations too small to tell probes apart), its vocab map taken
+from the tiny draft, then saved as a training state and exported with `export_to_sglang`, exactly
+as a SpecForge run's final checkpoint would be.
 
     python -m difftest.fixturegen.specforge_tiny [OUT]   (default: fixtures/tiny/specforge)
 """
