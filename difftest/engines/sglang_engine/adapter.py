@@ -346,13 +346,14 @@ class SGLangAdapter:
         files = DefaultModelLoader(LoadConfig(load_format=launch.draft_load_format
                                               if launch.draft_load_format != "dummy" else "auto"))
         served = ((name, name, tensor) for name, tensor in files._get_all_weights(draft_config, model))
-        if launch.draft_load_format == "dummy":
-            # DummyModelLoader.load_model: random values in every parameter, no file read.
-            unread = [name for name, _, _ in served]
-            with torch.device(options.device):
-                initialize_dummy_weights(model)
-            served = iter(())
         with _loader_bars_follow_tqdm_disable():
+            if launch.draft_load_format == "dummy":
+                # DummyModelLoader.load_model: random values in every parameter, no file read
+                # (the names are listed, for the ledger, through the same iterator and its bar).
+                unread = [name for name, _, _ in served]
+                with torch.device(options.device):
+                    initialize_dummy_weights(model)
+                served = iter(())
             model, ledger, share = self._load(model, served, target, options, str(server_args.speculative_algorithm),
                                               server_args.speculative_token_map,
                                               randomized=launch.draft_load_format == "dummy")
