@@ -64,7 +64,8 @@ def _d2t_from_t2d(ckpt: Checkpoint, _sources: RepairSources, _args: dict) -> Rep
 
 def _lm_head_restored(ckpt: Checkpoint, sources: RepairSources, _args: dict) -> Repaired:
     """The head the draft was trained with. From the training run's saved checkpoint when one
-    is given; else the target's head rows at the draft's target ids, which is what speculators'
+    is given, or the training checkpoint when the head is missing from a served copy of it; else
+    the target's head rows at the draft's target ids, which is what speculators'
     `load_verifier_weights` writes and its trainer keeps frozen (speculators/model.py)."""
     dtype = ckpt.get("fc.weight").dtype if "fc.weight" in ckpt.tensor_names() else torch.float32
     if sources.training_run is not None:
@@ -75,6 +76,12 @@ def _lm_head_restored(ckpt: Checkpoint, sources: RepairSources, _args: dict) -> 
         if "lm_head.weight" in trained.tensor_names():
             return Repaired({"lm_head.weight": trained.get("lm_head.weight").to(dtype)},
                             f"lm_head.weight put back from the training run ({trained.path})")
+    # A served copy that lost the head: the training checkpoint has the one trained (SpecForge
+    # trains its head, so the target's rows below are not it).
+    trained = sources.training_checkpoint
+    if trained is not None and "lm_head.weight" in trained.tensor_names():
+        return Repaired({"lm_head.weight": trained.get("lm_head.weight").to(dtype)},
+                        "lm_head.weight put back from the training checkpoint")
     names = set(ckpt.tensor_names())
     if "t2d" in names:
         ids = torch.nonzero(ckpt.get("t2d").bool()).flatten()
