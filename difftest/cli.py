@@ -654,10 +654,12 @@ def build_fixtures(
         # conversations are what the speculators draft trained on too.
         try:
             p = specforge_smollm2.build(from_scratch=from_scratch)
+            same = specforge_smollm2.matches_shipped(p) if from_scratch else None
             shipped = specforge_smollm2.ship(p) if ship else None
         except InputError as exc:
             fail(str(exc))
-        typer.echo(f"built {p.draft}" + (f"; shipped as {shipped}" if shipped else ""))
+        said = {True: "; bit for bit the shipped export", False: "; differs from the shipped export"}.get(same, "")
+        typer.echo(f"built {p.draft}{said}" + (f"; shipped as {shipped}" if shipped else ""))
     elif which in ("llama3.1-8b", "kimi-k2.5"):
         from difftest.fixturegen import realshape
         from difftest.fixturegen.cache import cache_root

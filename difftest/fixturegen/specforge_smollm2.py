@@ -241,6 +241,14 @@ def restore(p: Paths, manifest: dict) -> dict:
     return {"shipped": True, "trained": manifest["training"]}
 
 
+def matches_shipped(p: Paths) -> bool | None:
+    """Whether a build's export is the shipped one, file for file (None: nothing shipped)."""
+    manifest = shipped_manifest()
+    if manifest is None:
+        return None
+    return {f.name: smollm2.file_sha256(f) for f in sorted(p.draft.iterdir())} == manifest["files"]
+
+
 def ship(p: Paths) -> Path:
     record = json.loads((p.root / f"train-e{epochs()}.done.json").read_text())
     tmp = SHIPPED_DIR.with_name("smollm2-specforge.partial")
