@@ -330,6 +330,11 @@ class EngineAdapter(Protocol):
         """For a serving engine: whether this launch command starts its server."""
         ...
 
+    def start_early(self) -> None:
+        """Optional: begin what can run beside the other engines' work (a worker process's
+        imports), before this engine is first asked for anything."""
+        ...
+
     def recognizes(self, checkpoint: Checkpoint) -> str | None:
         """For a training engine: why this directory is one its trainer wrote, or None when the
         directory does not say (engines.training_engine_for then asks for --training)."""

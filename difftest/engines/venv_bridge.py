@@ -89,9 +89,11 @@ class VenvBridge:
             return ""
         return text[-LOG_TAIL_CHARS:]
 
-    def start(self) -> dict:
+    def launch(self) -> None:
+        """Start the worker without waiting for it: its imports run beside the caller's work,
+        and the first call (or start) waits for its hello."""
         if self._proc is not None and self._proc.poll() is None:
-            return self.hello
+            return
         if not self.python.is_file():
             raise WorkerFailed(f"{self.engine}'s venv has no interpreter at {self.python}")
         if self._scratch is not None:  # a worker that died: its log was quoted already
@@ -107,8 +109,13 @@ class VenvBridge:
                                           pass_fds=(write_fd,))
         os.close(write_fd)
         self._answers = os.fdopen(read_fd, "r")
+        self.hello = {}
         atexit.register(self.close)
-        self.hello = json.loads(self._read_line("start"))
+
+    def start(self) -> dict:
+        self.launch()
+        if not self.hello:
+            self.hello = json.loads(self._read_line("start"))
         return self.hello
 
     def _read_line(self, what: str) -> str:

@@ -55,6 +55,8 @@ def ensure_runtime(device: str) -> kernel_standin.StandInLedger:
         if device == "cpu":
             # is_cpu() is cached at first import; without this RotaryEmbedding imports vllm.
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+        # Read once, when SGLang's model registry is first imported (known_archs says why).
+        os.environ.setdefault("SGLANG_EXTERNAL_MODEL_PACKAGE", "difftest.engines.sglang_engine.known_archs")
         ledger = kernel_standin.install_if_needed()
         # Always a fresh port: an inherited MASTER_PORT may belong to a parent process's store.
         os.environ["MASTER_PORT"] = str(_free_port())

@@ -70,6 +70,14 @@ def worker_python() -> Path:
     return Path(os.environ.get("DIFFTEST_VLLM_PYTHON", VENV / "bin" / "python"))
 
 
+def start_worker_early() -> None:
+    """Launch the worker (its vLLM import takes seconds) without waiting for it; a missing venv
+    is left for the first real call to report."""
+    python = worker_python()
+    if python.is_file():
+        bridge_for("vllm", python, "difftest.engines.vllm_engine.worker").launch()
+
+
 def _bridge():
     python = worker_python()
     if not python.is_file():
@@ -143,6 +151,9 @@ class VLLMAdapter:
 
     def claims_launch(self, argv: tuple[str, ...]) -> bool:
         return launch_arguments(argv, self.launchers) is not None
+
+    def start_early(self) -> None:
+        start_worker_early()
 
     def deployment_plan(self, checkpoint, target, options):
         """The user's `vllm serve` command, read by vLLM's own parser in its venv."""

@@ -32,8 +32,11 @@ LAYER_NAME_KEY = "attn_layer"
 
 
 def hello() -> dict:
+    """The start line, sent once vLLM is imported and the heap frozen: the parent may launch the
+    worker early (run_set does) and only waits for this when it first needs vLLM."""
     import vllm
 
+    _heap_frozen_after_imports()
     return {"vllm": vllm.__version__, "torch": torch.__version__}
 
 
@@ -457,9 +460,29 @@ def _layout(seq_lens: torch.Tensor, block_size: int, extra: int = 0):
     return nxt, table, slots
 
 
+@functools.cache
+def _heap_frozen_after_imports() -> None:
+    """A vLLM server freezes its heap once it is up (vllm/utils/gc_utils.py freeze_gc_heap), so
+    the gc.collect its model loader runs on every load skips the static objects. The worker does
+    the same once vLLM's modules are in, before any draft exists: without it each draft load
+    (one per config-audit variant) spends about 0.3 s walking vLLM's import-time objects."""
+    # What a draft's build and forward import (Draft, engine_config): the first call then finds them.
+    from vllm.compilation.backends import set_model_tag  # noqa: F401
+    from vllm.config import set_current_vllm_config  # noqa: F401
+    from vllm.engine.arg_utils import EngineArgs  # noqa: F401
+    from vllm.model_executor.model_loader import get_model  # noqa: F401
+    from vllm.model_executor.model_loader.utils import get_draft_load_config  # noqa: F401
+    from vllm.utils.gc_utils import freeze_gc_heap
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer  # noqa: F401
+    from vllm.v1.worker import cpu_model_runner  # noqa: F401
+
+    freeze_gc_heap()
+
+
 @torch.no_grad()
 def run(params: dict, tensors: dict[str, torch.Tensor]):
     t0 = time.perf_counter()
+    _heap_frozen_after_imports()
     draft = Draft(params)
     seq_lens = tensors["seq_lens"].to(torch.int64)
     ids, hidden = tensors["input_ids"].to(torch.int64), tensors["hidden"]
