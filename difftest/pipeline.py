@@ -190,11 +190,11 @@ def run(
     chain_states = None
     if chain_steps > 0:
         chain_states = serving_capture_states(inputs, serving_plan, candidate, cand_options, on_step)
-    if not _already_run(reference, inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=dtype, device=device),
-                        chain_steps):
+    # Training runs the checkpoint as trained: no serving setup reaches it.
+    ref_options = RunOptions(dtype=dtype, device=device)
+    if not _already_run(reference, inputs.checkpoint, inputs.target, inputs.states, ref_options, chain_steps):
         on_step(f"{reference.name}: load, forward{chained}")
-    ref_run = reference.run(inputs.checkpoint, inputs.target, inputs.states, RunOptions(dtype=dtype, device=device),
-                            chain_steps=chain_steps)
+    ref_run = reference.run(inputs.checkpoint, inputs.target, inputs.states, ref_options, chain_steps=chain_steps)
     release_memory(collect)
     on_step(f"{candidate.name}: load, forward{chained}")
     try:
@@ -254,7 +254,7 @@ def run(
         findings += check_training_shortfall(accept, ref_run.chain, inputs.checkpoint, inputs.states, training_run,
                                              findings, capture_measured=parity is not None)
     if accept is not None:
-        engines = {"reference": (reference, RunOptions(dtype=dtype, device=device)), "candidate": (candidate, cand_options)}
+        engines = {"reference": (reference, ref_options), "candidate": (candidate, cand_options)}
         measure_repair_costs(findings, inputs, engines, chain_steps, ref_run, chain_states, accept, training_metrics,
                              training_run, on_step, deployed=deployment is not None)
     if accept is not None and deployment is not None:
