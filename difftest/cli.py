@@ -196,7 +196,7 @@ def report(
                 from difftest.checkpoint import load_checkpoint
                 from difftest.engines import training_engine_for
 
-                training_engine = training_engine_for(load_checkpoint(jobs[0][0]))
+                training_engine = training_engine_for(load_checkpoint(jobs[0][0], allow_pickle=allow_pickle))
             if training_metrics is not None:
                 extra["training"] = _read_training_metrics(training_metrics)
             if training_run is not None:
