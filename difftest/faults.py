@@ -58,25 +58,19 @@ class Workspace:
     def edit_layer_config(self, edit: Callable[[dict], None]) -> None:
         """The transformer fields (rope, sizes): speculators nests them in transformer_layer_config,
         SGLang's layout keeps them at the top."""
-        self.edit_config(lambda c: edit(c["transformer_layer_config"] if self.format is CheckpointFormat.SPECULATORS
+        self.edit_config(lambda c: edit(c["transformer_layer_config"] if detect_format(c) is CheckpointFormat.SPECULATORS
                                         else c))
 
-    @property
-    def format(self) -> CheckpointFormat:
-        return detect_format(self.config())
+    @staticmethod
+    def _aux_ids_holder(cfg: dict) -> dict:
+        """Where the config keeps the trained aux ids (each format in its own numbering)."""
+        return cfg if detect_format(cfg) is CheckpointFormat.SPECULATORS else cfg["eagle_config"]
 
     def aux_ids(self) -> list[int]:
-        """The trained aux ids as the checkpoint stores them (each format in its own numbering)."""
-        cfg = self.config()
-        if self.format is CheckpointFormat.SPECULATORS:
-            return list(cfg["eagle_aux_hidden_state_layer_ids"])
-        return list(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        return list(self._aux_ids_holder(self.config())["eagle_aux_hidden_state_layer_ids"])
 
     def set_aux_ids(self, ids: list[int]) -> None:
-        def edit(c: dict) -> None:
-            (c if self.format is CheckpointFormat.SPECULATORS else c["eagle_config"])[
-                "eagle_aux_hidden_state_layer_ids"] = list(ids)
-        self.edit_config(edit)
+        self.edit_config(lambda c: self._aux_ids_holder(c).__setitem__("eagle_aux_hidden_state_layer_ids", list(ids)))
 
     def edit_tensors(self, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
         tensors = dict(self.ckpt().tensors())

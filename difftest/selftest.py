@@ -8,7 +8,7 @@ alarm. The runner knows no engine: it edits scratch copies and calls pipeline.ru
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -337,10 +337,8 @@ def write_selftest(score: Score, out_dir: str | Path) -> dict[str, Path]:
                              "false_alarms": s.false_alarms, "ok": s.ok} for e, s in score.by_engine().items()},
            "catalog": [{"name": f.name, "bug_class": f.bug_class, "caught_at": f.caught_at, "diagnosis": f.diagnosis,
                         "dtypes": list(f.dtypes),
-                        "on": {e: {"caught_at": o.caught_at, "diagnosis": o.diagnosis, "why": o.why, "applies": o.applies}
-                               for e, o in f.on},
-                        "by_training": {t: {"caught_at": o.caught_at, "diagnosis": o.diagnosis, "why": o.why,
-                                            "applies": o.applies} for t, o in f.by_training}} for f in FAULTS],
+                        "on": {e: asdict(o) for e, o in f.on},
+                        "by_training": {t: asdict(o) for t, o in f.by_training}} for f in FAULTS],
            "outcomes": [o.as_dict() for o in score.outcomes]}
     atomic_write(paths["json"], json.dumps(doc, indent=2) + "\n")
     atomic_write(paths["md"], render_markdown(score))

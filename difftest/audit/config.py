@@ -290,15 +290,13 @@ def _measure_field(i: int, path: str, value, rule: FieldRule, base: Checkpoint, 
         row["verdict"] = "inert in both" + (f" ({rule.why})" if rule.why else "")
     elif cand_changes:
         row["verdict"] = f"changes {serving} only"
-        if value == rule.neutral:
-            # SpecForge's config reader, for one, forces tie_word_embeddings off: at the neutral
-            # value the serving engine computes what training does, and only another value would not.
-            finding = Finding(CHECK, rule.cause, Severity.BENIGN,
-                              f"{path} changes {serving}'s forward but not {training}'s; benign here: this "
-                              f"checkpoint's value {value!r} is the neutral one", {"serving_effect": cand_eff})
-        else:
-            finding = Finding(CHECK, rule.cause, Severity.ERROR,
-                              f"{path} changes {serving}'s forward but not {training}'s", {"serving_effect": cand_eff})
+        # SpecForge's config reader, for one, forces tie_word_embeddings off: at the neutral value
+        # the serving engine computes what training does, and only another value would not.
+        benign = value == rule.neutral
+        finding = Finding(CHECK, rule.cause, Severity.BENIGN if benign else Severity.ERROR,
+                          f"{path} changes {serving}'s forward but not {training}'s" +
+                          (f"; benign here: this checkpoint's value {value!r} is the neutral one" if benign else ""),
+                          {"serving_effect": cand_eff})
     else:
         row["verdict"] = f"ignored by {serving}"
         finding = _ignored_finding(path, value, rule, base, base_ref, root, i, e)

@@ -410,15 +410,16 @@ def shipped_manifest() -> dict | None:
     return json.loads(path.read_text())
 
 
-def _verified(path: Path, sha: str) -> Path:
+def verified(path: Path, sha: str, manifest: Path = SHIPPED_DIR / "manifest.json", fixture: str = "default") -> Path:
+    """A shipped file, refused unless it matches its checksum in `manifest`."""
     if not path.is_file() or file_sha256(path) != sha:
-        raise InputError(f"{path}: does not match its checksum in {SHIPPED_DIR / 'manifest.json'}; restore it with "
-                         f"git checkout, or rebuild from scratch: difftest build-fixtures default --from-scratch")
+        raise InputError(f"{path}: does not match its checksum in {manifest}; restore it with "
+                         f"git checkout, or rebuild from scratch: difftest build-fixtures {fixture} --from-scratch")
     return path
 
 
 def restore_conversations(p: Paths, manifest: dict) -> dict:
-    src = _verified(SHIPPED_DIR / manifest["conversations"]["file"], manifest["conversations"]["sha256"])
+    src = verified(SHIPPED_DIR / manifest["conversations"]["file"], manifest["conversations"]["sha256"])
     shutil.copyfile(src, p.conversations)
     return {"shipped": str(src.relative_to(SHIPPED_DIR.parents[1])), "shipped_sha256": manifest["conversations"]["sha256"]}
 
@@ -431,8 +432,8 @@ def restore_draft(p: Paths, manifest: dict) -> dict:
 
     draft = manifest["draft"]
     shipped = SHIPPED_DIR / "draft"
-    _verified(shipped / "config.json", draft["config_sha256"])
-    _verified(shipped / "model.safetensors", draft["shipped_sha256"])
+    verified(shipped / "config.json", draft["config_sha256"])
+    verified(shipped / "model.safetensors", draft["shipped_sha256"])
     tensors: dict[str, torch.Tensor] = {}
     with safe_open(str(shipped / "model.safetensors"), framework="pt") as f:
         for name in f.keys():

@@ -28,7 +28,6 @@ from typing import Callable
 
 import torch
 
-from difftest.errors import InputError
 from difftest.fixturegen import smollm2
 
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "fixtures" / "smollm2-specforge"
@@ -230,15 +229,15 @@ def restore(p: Paths, manifest: dict) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for name, sha in manifest["files"].items():
-        src = SHIPPED_DIR / name
-        if not src.is_file() or smollm2.file_sha256(src) != sha:
-            raise InputError(f"{src}: does not match its checksum in {SHIPPED_DIR / 'manifest.json'}; restore it with "
-                             "git checkout, or rebuild: difftest build-fixtures specforge --from-scratch")
-        shutil.copyfile(src, tmp / name)
+        shutil.copyfile(smollm2.verified(SHIPPED_DIR / name, sha, SHIPPED_DIR / "manifest.json", "specforge"), tmp / name)
     shutil.rmtree(p.draft, ignore_errors=True)
     tmp.rename(p.draft)
     _beside_the_draft(p)
     return {"shipped": True, "trained": manifest["training"]}
+
+
+def _file_hashes(directory: Path) -> dict[str, str]:
+    return {f.name: smollm2.file_sha256(f) for f in sorted(directory.iterdir())}
 
 
 def matches_shipped(p: Paths) -> bool | None:
@@ -246,7 +245,7 @@ def matches_shipped(p: Paths) -> bool | None:
     manifest = shipped_manifest()
     if manifest is None:
         return None
-    return {f.name: smollm2.file_sha256(f) for f in sorted(p.draft.iterdir())} == manifest["files"]
+    return _file_hashes(p.draft) == manifest["files"]
 
 
 def ship(p: Paths) -> Path:
@@ -254,15 +253,14 @@ def ship(p: Paths) -> Path:
     tmp = SHIPPED_DIR.with_name("smollm2-specforge.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(p.draft, tmp)
-    config = {k: v for k, v in record["config"].items()}
     manifest = {
         "about": "The SpecForge fixture's trained draft, as built by `difftest build-fixtures specforge --from-scratch "
                  "--ship`: SpecForge 0.2.0's own trainer on the default fixture's training conversations, exported "
                  "by its own `export --to sglang`.",
-        "files": {f.name: smollm2.file_sha256(f) for f in sorted(tmp.iterdir())},
+        "files": _file_hashes(tmp),
         "training": {"epochs": record["epochs"], "seconds": record["seconds"],
-                     "config": json.loads(json.dumps(config).replace(str(p.root), "$CACHE")),
-                     "last_logged": record.get("last_logged") or last_logged(record.get("log_tail", []))},
+                     "config": json.loads(json.dumps(record["config"]).replace(str(p.root), "$CACHE")),
+                     "last_logged": record["last_logged"]},
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     shutil.rmtree(SHIPPED_DIR, ignore_errors=True)

@@ -70,19 +70,23 @@ def worker_python() -> Path:
     return Path(os.environ.get("DIFFTEST_VLLM_PYTHON", VENV / "bin" / "python"))
 
 
+def _worker(python: Path):
+    return bridge_for("vllm", python, "difftest.engines.vllm_engine.worker")
+
+
 def start_worker_early() -> None:
     """Launch the worker (its vLLM import takes seconds) without waiting for it; a missing venv
     is left for the first real call to report."""
     python = worker_python()
     if python.is_file():
-        bridge_for("vllm", python, "difftest.engines.vllm_engine.worker").launch()
+        _worker(python).launch()
 
 
 def _bridge():
     python = worker_python()
     if not python.is_file():
         raise VLLMUnavailable(f"vLLM's venv is missing ({python}); build it from the repository root with: {VENV_BUILD}")
-    bridge = bridge_for("vllm", python, "difftest.engines.vllm_engine.worker")
+    bridge = _worker(python)
     try:
         bridge.start()
     except WorkerFailed as exc:
