@@ -5,10 +5,12 @@ includes starting Python and importing torch.
 
 speculators: Eagle3DraftModel.from_pretrained on the speculators-format draft, then
 load_verifier_weights, one TTT step. SGLang: LlamaForCausalLMEagle3 from the legacy-format
-draft's config, its load_weights, set_embed with the target's embedding, one draft EXTEND.
-Outside a server SGLang needs a process group, the CPU switch and a ForwardBatch over its
-own KV pools; difftest's runtime and batch helpers are those minimum pieces, reused here so
-both sides pay the same for them.
+draft's config, its load_weights, then what a server's EAGLE draft worker does to it
+(eagle_worker_v2's init_token_map and init_lm_head, which share the target's embedding),
+one draft EXTEND. Outside a server SGLang needs a process group, the CPU switch, a stand-in
+for the target runner the worker asks for the embedding, and a ForwardBatch over its own
+KV pools; difftest's runtime, worker stand-in and batch helpers are those minimum pieces,
+reused here so both sides pay the same for them.
 
     python benchmarks/bare_engines.py SPECULATORS_DIR LEGACY_DIR TARGET_DIR STATES [--dtype bf16] [--device cpu]
         [--serving sglang,vllm]
@@ -48,9 +50,11 @@ def speculators_bare(ckpt: str, target: str, states, dtype, device: str) -> dict
 def sglang_bare(ckpt: str, target: str, states, dtype, device: str) -> dict:
     import torch
 
-    from difftest.engines.sglang_engine import batches
-    from difftest.engines.sglang_engine.runtime import ensure_runtime
     from difftest.checkpoint import load_checkpoint
+    from difftest.engines.base import RunOptions
+    from difftest.engines.sglang_engine import batches
+    from difftest.engines.sglang_engine.adapter import SGLangAdapter
+    from difftest.engines.sglang_engine.runtime import ensure_runtime
     from difftest.target import load_target
 
     t0 = time.perf_counter()
@@ -68,8 +72,7 @@ def sglang_bare(ckpt: str, target: str, states, dtype, device: str) -> dict:
     finally:
         torch.set_default_dtype(prev)
     model.load_weights(draft.tensors())
-    embed = load_target(target).embed.to(device=device, dtype=dtype)
-    model.set_embed(torch.nn.Parameter(embed, requires_grad=False))
+    SGLangAdapter._share_target(model, load_target(target), RunOptions(dtype=dtype, device=device))
     t2 = time.perf_counter()
     with torch.no_grad():
         kv = batches.KVSpace(model.config, states.num_tokens, device, dtype)
@@ -133,6 +136,11 @@ def main() -> None:
         out["vllm"] = vllm_bare(args.speculators, args.target, args.states, dtype)
     out["process_s"] = time.perf_counter() - t_start
     print(json.dumps(out))
+    # difftest's command ends without Python's module teardown (about 2 s once SGLang is in);
+    # the baseline ends the same way, so that neither side's wall time counts it.
+    from difftest.process_exit import exit_after_handlers
+
+    exit_after_handlers(0)
 
 
 if __name__ == "__main__":

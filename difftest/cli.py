@@ -694,7 +694,9 @@ def main() -> None:
     if code == EXIT_INTERRUPTED:
         # Every output is written atomically: an interrupted run leaves no partial file behind.
         typer.echo("difftest: interrupted; nothing partial was written", err=True)
-    sys.exit(code or 0)
+    from difftest.process_exit import exit_after_handlers
+
+    exit_after_handlers(code or 0)
 
 
 if __name__ == "__main__":

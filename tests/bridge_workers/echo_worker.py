@@ -29,6 +29,15 @@ def die(params, tensors):
     os._exit(7)
 
 
+def on_exit(params, tensors):
+    """Registers an exit handler that leaves a file: the worker must run it when it ends."""
+    import atexit
+    from pathlib import Path
+
+    atexit.register(Path(params["path"]).write_text, "exit handlers ran")
+    return {}, {}
+
+
 if os.environ.get("ECHO_WORKER_FAIL_AT_START"):
     raise ImportError("no module named 'engine'")
-serve({"echo": echo, "refuse": refuse, "die": die}, lambda: {"torch": torch.__version__})
+serve({"echo": echo, "refuse": refuse, "die": die, "on_exit": on_exit}, lambda: {"torch": torch.__version__})

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import os
 import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -45,9 +46,9 @@ def _ensure_distributed(vc) -> None:
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 
     if not torch.distributed.is_initialized():
-        import tempfile
-
-        store = tempfile.mktemp(prefix="difftest-vllm-dist-")
+        # The worker runs in its bridge's scratch directory, which the parent removes: gloo's
+        # file store, which outlives the worker, goes with it instead of piling up in /tmp.
+        store = Path.cwd() / "gloo-store"
         init_distributed_environment(1, 0, f"file://{store}", 0, backend="gloo")
     ensure_model_parallel_initialized(1, 1)
 
@@ -93,7 +94,6 @@ def launch_engine_args(params: dict):
     import argparse
     import io
     import json
-    from pathlib import Path
 
     from vllm.engine.arg_utils import EngineArgs
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
