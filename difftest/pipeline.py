@@ -315,8 +315,9 @@ def run_set(inputs: RunInputs, serving: dict[str, ServingSetup], on_step: Callab
     (`serving`: engine name -> how it is served), the training engine's runs shared between them."""
     reference = _TrainingRunsOnce(reference_adapter(training))
     engines = {name: candidate_adapter(name) for name in serving}
-    for engine in engines.values():
-        # An engine in a venv of its own imports in its worker while the engines before it run.
+    # Workers first (they import in a process of their own and return at once), then the
+    # training engine's import, which would otherwise wait for a worker's first answer.
+    for engine in (*engines.values(), reference):
         getattr(engine, "start_early", lambda: None)()
     analysis.setdefault("config_audit_runs", {})
     if analysis.get("chain_steps", 0) > 0:

@@ -331,8 +331,9 @@ class EngineAdapter(Protocol):
         ...
 
     def start_early(self) -> None:
-        """Optional: begin what can run beside the other engines' work (a worker process's
-        imports), before this engine is first asked for anything."""
+        """Optional: begin what can run beside the other engines' work before this engine is
+        first asked for anything. An engine in a worker launches it and returns; an engine in
+        this process imports itself, which is done after every worker has been launched."""
         ...
 
     def recognizes(self, checkpoint: Checkpoint) -> str | None:

@@ -75,6 +75,14 @@ class SpecForgeAdapter:
         return None  # a training engine: it runs the checkpoint as trained, nothing is launched
 
     @staticmethod
+    def start_early() -> None:
+        """Its import, done while a serving engine's worker imports beside it."""
+        try:
+            import specforge.algorithms.eagle3.model  # noqa: F401
+        except ImportError:
+            pass  # run() says how to install it, as one line, when it is first needed
+
+    @staticmethod
     def recognizes(checkpoint: Checkpoint) -> str | None:
         """SpecForge 0.2.0's export carries no provenance (to_sglang.py writes the draft config as
         transformers saves it): no directory says by itself that SpecForge trained it."""
