@@ -46,10 +46,15 @@ def _ensure_distributed(vc) -> None:
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 
     if not torch.distributed.is_initialized():
-        # The worker runs in its bridge's scratch directory, which the parent removes: gloo's
-        # file store, which outlives the worker, goes with it instead of piling up in /tmp.
-        store = Path.cwd() / "gloo-store"
-        init_distributed_environment(1, 0, f"file://{store}", 0, backend="gloo")
+        import atexit
+        import shutil
+        import tempfile
+
+        # gloo leaves its file store behind; a directory removed at exit keeps /tmp clean
+        # (the worker ends through its exit handlers, difftest.process_exit).
+        store_dir = tempfile.mkdtemp(prefix="difftest-vllm-dist-")
+        atexit.register(shutil.rmtree, store_dir, ignore_errors=True)
+        init_distributed_environment(1, 0, f"file://{store_dir}/store", 0, backend="gloo")
     ensure_model_parallel_initialized(1, 1)
 
 
