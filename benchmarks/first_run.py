@@ -9,7 +9,8 @@ Baselines:
                    one packed 2048-token batch of captured states, its 3-step TTT loss,
                    backward and an AdamW step, what an epoch of training is made of;
   bare_engines_s   each engine's own import + load + forward (benchmarks/bare_engines.py),
-                   what a report is made of.
+                   speculators, SGLang and vLLM as the default report runs them, what a
+                   report is made of.
 It also records whether this CPU has a fast bf16 path (its flags, and a measured
 bf16 / fp32 time for the 576 x 1728 matmul that dominated Muon's Newton-Schulz step).
 
@@ -33,6 +34,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# The engines the default report serves on, each in the bare baseline too.
+SERVING_ENGINES = ("sglang", "vllm")
 ROOT = HERE.parent
 
 
@@ -129,7 +132,8 @@ def train_step_seconds(cache: Path) -> float:
 def bare_engines_seconds(cache: Path) -> float:
     root = cache / "smollm2"
     cmd = [sys.executable, str(HERE / "bare_engines.py"), str(root / "draft" / "speculators"), str(root / "draft" / "legacy"),
-           str(root / "target"), str(root / "draft" / "states.safetensors"), "--dtype", "auto"]
+           str(root / "target"), str(root / "draft" / "states.safetensors"), "--dtype", "auto",
+           "--serving", ",".join(SERVING_ENGINES)]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True, env=os.environ)
     return time.perf_counter() - t0
