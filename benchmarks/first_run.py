@@ -34,8 +34,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# The engines the default report serves on, each in the bare baseline too.
-SERVING_ENGINES = ("sglang", "vllm")
 ROOT = HERE.parent
 
 
@@ -130,6 +128,8 @@ def train_step_seconds(cache: Path) -> float:
 
 
 def bare_engines_seconds(cache: Path) -> float:
+    from difftest.engines import SERVING_ENGINES  # the default report serves on every one
+
     root = cache / "smollm2"
     cmd = [sys.executable, str(HERE / "bare_engines.py"), str(root / "draft" / "speculators"), str(root / "draft" / "legacy"),
            str(root / "target"), str(root / "draft" / "states.safetensors"), "--dtype", "auto",

@@ -30,8 +30,11 @@ import sys
 import time
 from pathlib import Path
 
+from difftest.engines import SERVING_ENGINES
+
 HERE = Path(__file__).resolve().parent
-SERVING = ("sglang", "vllm")
+# Every serving engine difftest has, as the default report serves on them all.
+SERVING = tuple(SERVING_ENGINES)
 
 
 def timed(cmd: list[str]) -> tuple[float, dict[str, float]]:

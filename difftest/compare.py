@@ -59,10 +59,10 @@ def activation_metrics(ref: torch.Tensor, cand: torch.Tensor) -> dict[str, float
     # probes are tokens x vocab, where separate elementwise passes took 0.1 s a probe.
     r, c = ref.double().flatten(), cand.double().flatten()
     rr, cc, rc = torch.dot(r, r).item(), torch.dot(c, c).item(), torch.dot(r, c).item()
-    low, high = torch.aminmax(r) if r.numel() else (torch.zeros(()), torch.zeros(()))
+    low, high = torch.aminmax(r)
     scale = max(high.item(), -low.item())
     diff = torch.sub(r, c).abs_()  # not in place on r: .double() of a float64 probe is the probe itself
-    max_abs = diff.max().item() if diff.numel() else 0.0
+    max_abs = diff.max().item()
     denom = rr + cc
     rel_diff = 0.0 if denom == 0 else 1 - 2 * rc / denom
     # As torch.nn.functional.cosine_similarity: each norm clamped at its eps, so zeros give 0.
